@@ -1,0 +1,18 @@
+rule build:
+    input:
+        calib=f"{RESULTS}/calib-{PRECISION}",
+        code=code("build"),
+    output:
+        directory(f"{VARIANT}/engine"),
+    log:
+        f"{VARIANT}/logs/build.log",
+    benchmark:
+        f"{VARIANT}/benchmarks/build.tsv"
+    resources:
+        **res("build"),
+    params:
+        e=config["engine"],
+    shell:
+        "{PY} -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"
+        " --device {params.e[device]} --dtype {params.e[dtype]} --max-batch {params.e[max_batch]} --max-seq-len {params.e[max_seq_len]}"
+        " --out {output} > {log} 2> >(tee -a {log} >&2)"

@@ -1,0 +1,14 @@
+rule convert:
+    input:
+        hf=f"{RESULTS}/hf",
+        code=code("convert"),
+    output:
+        directory(f"{RESULTS}/ckpt-bf16"),
+    log:
+        f"{RESULTS}/logs/convert.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/convert.tsv"
+    resources:
+        **res("convert"),
+    shell:
+        "{PY} -m workflow.convert --hf {input.hf} --out {output} > {log} 2> >(tee -a {log} >&2)"

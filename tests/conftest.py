@@ -1,0 +1,61 @@
+"""Shared fixtures: one tiny synthetic checkpoint, converted and built once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from workflow import build, convert, download, trtckpt
+from workflow.artifacts import atomic_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "hf"
+    download.main(["--source", "synthetic:tiny", "--out", str(out)])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_hf) -> Path:
+    out = tiny_hf.parent / "ckpt-bf16"
+    convert.main(["--hf", str(tiny_hf), "--out", str(out)])
+    return out
+
+
+def build_engine(ckpt: Path, out: Path, precision: str = "bf16", max_batch: int = 4) -> Path:
+    build.main(["--ckpt", str(ckpt), "--out", str(out), "--precision", precision, "--max-batch", str(max_batch)])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_ckpt) -> Path:
+    return build_engine(tiny_ckpt, tiny_ckpt.parent / "engine-torch-bf16")
+
+
+def write_variant(src: Path, dst: Path, mutate) -> Path:
+    """A copy of checkpoint `src` with mutate(tensors, config, spec) applied, as convert writes."""
+    cfg, spec, tensors = trtckpt.load_checkpoint(src)
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    mutate(tensors, cfg, spec)
+    with atomic_dir(dst) as tmp:
+        trtckpt.save_checkpoint(tmp, cfg, tensors)
+    return dst
+
+
+def verify_params(**overrides) -> str:
+    p = json.loads(json.dumps(CONFIG["verify"]))
+    p.update(overrides)
+    return json.dumps(p)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

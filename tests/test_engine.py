@@ -1,0 +1,121 @@
+"""Our PyTorch engine against the independent transformers reference, and its KV caches."""
+
+import pytest
+import torch
+
+from workflow import traffic
+from workflow.download import load_hf_state
+from workflow.engines import load_engine
+from workflow.generate import Ids, generate
+from workflow.reference import MossSpeechReference, ReferenceEngine
+from workflow.spec import load_spec
+
+TOL = 1e-4  # float32 end to end; logits are O(10)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_hf):
+    return MossSpeechReference(load_spec(tiny_hf), load_hf_state(tiny_hf), torch.float32, "cpu")
+
+
+@pytest.fixture
+def engine(tiny_engine_dir):
+    return load_engine(tiny_engine_dir)
+
+
+def test_prefill_logits_match_reference(engine, ref):
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(3, 100, ids, seed=11)  # text, speech and switches in one sequence
+    et, ea = engine.prefill(prompts, all_logits=True)
+    rt, ra, _ = ref(prompts)
+    assert et.shape == rt.shape == (3, 100, engine.spec.vocab_size)
+    assert ea.shape == ra.shape == (3, 100, engine.spec.audio_vocab_size)
+    assert (et - rt).abs().max() < TOL
+    assert (ea - ra).abs().max() < TOL
+
+
+def test_decode_steps_match_reference(engine, ref):
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(2, 30, ids, seed=12)
+    follow = traffic.batch(2, 12, ids, seed=13)
+    engine.prefill(prompts)
+    _, _, caches = ref(prompts)
+    for t in range(follow.shape[1]):
+        et, ea = engine.decode(follow[:, t])
+        rt, ra, caches = ref(follow[:, t : t + 1], caches)
+        assert (et - rt[:, -1]).abs().max() < TOL
+        assert (ea - ra[:, -1]).abs().max() < TOL
+
+
+def test_greedy_generation_matches_reference_across_modality_switches(engine, ref):
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(4, 24, ids, seed=14)
+    got = generate(engine, prompts, 64, ids)
+    want = generate(ReferenceEngine(ref, "cpu"), prompts, 64, ids)
+    assert got.tokens.shape == want.tokens.shape == (4, 64, 2)
+    assert torch.equal(got.tokens, want.tokens)
+    modes = want.audio_mode.int()
+    assert (modes[:, 1:] != modes[:, :-1]).any(dim=1).all(), "every sequence must switch modality"
+    assert modes.any() and not modes.all()
+
+
+def test_branches_never_touch_each_others_kv_cache(engine):
+    """Each layer owns distinct cache storage; scribbling over one branch's cache changes
+    only that branch's head, and the trunk's changes both."""
+    plan = {"trunk": engine.trunk, "text": engine.text_block, "audio": engine.audio_block}
+    ptrs = [p for layer in engine.layers for p in (layer.k_cache.data_ptr(), layer.v_cache.data_ptr())]
+    assert len(set(ptrs)) == len(ptrs)
+    ids = Ids.of(engine.spec)
+    prompt = traffic.batch(1, 40, ids, seed=15)
+    step = prompt[:, -1]
+
+    def decode_after(scribble: str | None):
+        engine.prefill(prompt[:, :-1])
+        if scribble:
+            for layer in plan[scribble]:
+                layer.k_cache.normal_()
+                layer.v_cache.normal_()
+        return engine.decode(step)
+
+    base_t, base_a = decode_after(None)
+    for name, text_changes, audio_changes in (("text", True, False), ("audio", False, True), ("trunk", True, True)):
+        t, a = decode_after(name)
+        assert (not torch.equal(t, base_t)) == text_changes, name
+        assert (not torch.equal(a, base_a)) == audio_changes, name
+
+
+def test_decode_writes_each_branch_cache_at_the_step_position(engine):
+    ids = Ids.of(engine.spec)
+    prompt = traffic.batch(2, 20, ids, seed=16)
+    engine.prefill(prompt)
+    for layer in engine.layers:
+        layer.k_cache[:, :, 20].fill_(float("nan"))
+    engine.decode(prompt[:, -1], need_text=False)  # audio mode: no text head, text cache still filled
+    for layer in engine.layers:
+        assert torch.isfinite(layer.k_cache[:2, :, 20]).all()
+
+
+def test_skipping_the_text_head_changes_nothing_else(engine):
+    ids = Ids.of(engine.spec)
+    prompt = traffic.speech_prompt(2, 32, ids, seed=17)  # ends in start-of-speech: audio mode
+    with_head = generate(engine, prompt, 40, ids, skip_text_head=False)
+    without = generate(engine, prompt, 40, ids, skip_text_head=True)
+    assert torch.equal(with_head.tokens, without.tokens)
+    assert with_head.audio_mode.any()
+
+
+def test_batch_rows_are_independent(engine):
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(3, 25, ids, seed=18)
+    t3, a3 = engine.prefill(prompts)
+    t1, a1 = engine.prefill(prompts[1:2])
+    assert (t3[1] - t1[0]).abs().max() < TOL and (a3[1] - a1[0]).abs().max() < TOL
+
+
+def test_limits_are_enforced(engine):
+    ids = Ids.of(engine.spec)
+    with pytest.raises(ValueError, match="exceeds the engine's limits"):
+        engine.prefill(traffic.batch(engine.max_batch + 1, 4, ids, seed=1))
+    engine.prefill(traffic.batch(2, 4, ids, seed=1))
+    with pytest.raises(ValueError, match="decode of batch 3"):
+        engine.decode(torch.zeros(3, 2, dtype=torch.long))

@@ -1,0 +1,1 @@
+"""mossbuild: the library the Snakemake rules call (one module per stage)."""

@@ -1,0 +1,161 @@
+"""MOSS-Speech's modality-switching generation loop and its samplers, engine-agnostic.
+
+Every step samples a text token and an audio token (FACTS.md section 1, official `_sample`):
+- text mode: the text token is kept; start-of-speech on the text channel switches to audio;
+- audio mode: the text token is replaced by modality_pad; end-of-speech on the audio channel
+  switches back to text;
+- the next input is (text, audio): embedded by the text id unless it is modality_pad;
+- a stop id on the text channel (in text mode) ends the sequence.
+In audio mode the text logits are never read, so the engine may skip the text head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from workflow.engines.base import Engine
+from workflow.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings; the defaults are MOSS-Speech's. greedy=True takes the argmax."""
+
+    greedy: bool = False
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    repetition_penalty: float = 1.1
+
+
+@dataclass(frozen=True)
+class Ids:
+    """The special ids the loop needs: from the model config, plus the generation config's."""
+
+    sosp: int
+    eosp: int
+    pad: int  # modality_pad on the text channel
+    audio_pad: int = 512  # what the audio channel carries at text positions
+    stop: tuple[int, ...] = (151645, 151643)  # <|im_end|>, <|endoftext|>
+
+    @classmethod
+    def of(cls, spec: ModelSpec, audio_pad: int = 512, stop: tuple[int, ...] = (151645, 151643)) -> Ids:
+        return cls(spec.sosp_token_id, spec.eosp_token_id, spec.modality_pad_token_id, audio_pad, tuple(stop))
+
+
+def audio_mode_after(tokens: torch.Tensor, ids: Ids) -> torch.Tensor:
+    """[..., T, 2] -> [..., T] bool: is the step after each position in audio mode?
+
+    After start-of-speech, or after an audio code that is not end-of-speech: audio.
+    """
+    text, audio = tokens[..., 0], tokens[..., 1]
+    return (text == ids.sosp) | ((text == ids.pad) & (audio != ids.eosp))
+
+
+def advance(
+    text_tok: torch.Tensor, audio_tok: torch.Tensor, audio_mode: torch.Tensor, ids: Ids
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the loop after sampling: (next input [B, 2], next audio mode, stopped)."""
+    text_tok = torch.where(audio_mode, torch.full_like(text_tok, ids.pad), text_tok)
+    audio_tok = torch.where(audio_mode, audio_tok, torch.full_like(audio_tok, ids.audio_pad))
+    next_mode = torch.where(audio_mode, audio_tok != ids.eosp, text_tok == ids.sosp)
+    stopped = ~audio_mode & torch.isin(text_tok, torch.tensor(ids.stop, device=text_tok.device))
+    return torch.stack([text_tok, audio_tok], dim=-1), next_mode, stopped
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Repetition penalty (CTRL / Hugging Face): divide positive, multiply negative logits."""
+    if penalty == 1.0:
+        return logits
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, V] float logits -> [B] ids: temperature, then top-k, then top-p (nucleus)."""
+    if s.greedy:
+        return logits.argmax(-1)
+    logits = logits / max(s.temperature, 1e-5)
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > s.top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Generation:
+    """What a generate() call produced, per sequence."""
+
+    tokens: torch.Tensor  # [B, N, 2] the inputs fed back at each step (text, audio)
+    audio_mode: torch.Tensor  # [B, N] the mode each token was sampled in
+    stopped_at: list[int | None] = field(default_factory=list)  # step of the stop id, if any
+
+    def audio_codes(self, b: int, ids: Ids) -> list[int]:
+        """Audio codes of sequence b, in order (end-of-speech excluded)."""
+        mode, audio = self.audio_mode[b], self.tokens[b, :, 1]
+        return [int(a) for a, m in zip(audio, mode, strict=True) if m and a != ids.eosp]
+
+
+def generate(
+    engine: Engine,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    ids: Ids,
+    sampling: Sampling = Sampling(greedy=True),
+    generator: torch.Generator | None = None,
+    min_speech_tokens: int = 0,
+    skip_text_head: bool = True,
+    on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> Generation:
+    """Run the loop from a prompt [B, T, 2] for up to max_new_tokens steps.
+
+    min_speech_tokens suppresses end-of-speech until an audio segment has that many codes
+    (like min_new_tokens for an end-of-sequence id). on_step(step, tokens [B, 2], audio_mode)
+    is called after each sampled step, e.g. to stream audio chunks.
+    """
+    device = engine.device
+    prompt = prompt.to(device)
+    b, v_text, v_audio = prompt.shape[0], engine.spec.vocab_size, engine.spec.audio_vocab_size
+    text_logits, audio_logits = engine.prefill(prompt)
+    audio_mode = audio_mode_after(prompt, ids)[:, -1]
+    seen_text = torch.zeros(b, v_text, dtype=torch.bool, device=device).scatter_(1, prompt[..., 0], True)
+    seen_audio = torch.zeros(b, v_audio, dtype=torch.bool, device=device).scatter_(1, prompt[..., 1], True)
+    invalid_audio = torch.arange(v_audio, device=device) > ids.eosp  # padding rows of the audio head
+    run = torch.zeros(b, dtype=torch.long, device=device)  # codes in the current audio segment
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    stopped_at: list[int | None] = [None] * b
+    out_tokens, out_modes = [], []
+    for step in range(max_new_tokens):
+        if text_logits is None:
+            text_tok = torch.full((b,), ids.pad, dtype=torch.long, device=device)
+        else:
+            text_tok = sample(penalize(text_logits, seen_text, sampling.repetition_penalty), sampling, generator)
+        audio_logits = audio_logits.masked_fill(invalid_audio, float("-inf"))
+        if min_speech_tokens:
+            audio_logits[:, ids.eosp] = torch.where(run < min_speech_tokens, float("-inf"), audio_logits[:, ids.eosp])
+        audio_tok = sample(penalize(audio_logits, seen_audio, sampling.repetition_penalty), sampling, generator)
+        tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)
+        out_tokens.append(tokens)
+        out_modes.append(audio_mode)
+        if on_step is not None:
+            on_step(step, tokens, audio_mode)
+        seen_text.scatter_(1, tokens[:, :1], True)
+        seen_audio.scatter_(1, tokens[:, 1:], True)
+        run = torch.where(audio_mode & next_mode, run + 1, torch.zeros_like(run))
+        for i in torch.nonzero(stopped & ~done).flatten().tolist():
+            stopped_at[i] = step
+        done |= stopped
+        audio_mode = next_mode
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        need_text = not skip_text_head or bool((~audio_mode & ~done).any())
+        text_logits, audio_logits = engine.decode(tokens, need_text=need_text)
+    return Generation(torch.stack(out_tokens, 1), torch.stack(out_modes, 1), stopped_at)
