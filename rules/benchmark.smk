@@ -15,6 +15,10 @@ rule benchmark:
         **res("benchmark"),
     params:
         p=as_json(config["benchmark"]),
-        config=as_json(config),
+        # what shapes the figures, recorded in benchmark.json (not verify's thresholds, say)
+        config=as_json(
+            {k: config[k] for k in ("model", "engine", "benchmark")}
+            | ({"calibration": config["calibration"]} if PRECISION == "fp8" else {})
+        ),
     shell:
         "{PY} -m workflow.benchmark --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --params {params.p:q} --config-json {params.config:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

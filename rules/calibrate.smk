@@ -1,6 +1,7 @@
 rule calibrate:
     input:
         ckpt=f"{RESULTS}/ckpt-bf16",
+        hf=f"{RESULTS}/hf",
         code=code("calibrate"),
     output:
         directory(f"{RESULTS}/calib-{PRECISION}"),
@@ -12,5 +13,7 @@ rule calibrate:
         **res("calibrate"),
     params:
         precision=PRECISION,
+        # bf16 passes the checkpoint through: calibration settings must not rerun it
+        p=as_json(config["calibration"] if PRECISION == "fp8" else {}),
     shell:
-        "{PY} -m workflow.calibrate --ckpt {input.ckpt} --precision {params.precision} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "{PY} -m workflow.calibrate --ckpt {input.ckpt} --hf {input.hf} --precision {params.precision} --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

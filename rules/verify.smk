@@ -15,4 +15,4 @@ rule verify:
     params:
         p=as_json(config["verify"]),
     shell:
-        "{PY} -m workflow.verify --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "{PY} -m workflow.verify --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --calib-data {input.calib}/dataset --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

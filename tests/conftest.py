@@ -59,3 +59,25 @@ def verify_params(**overrides) -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+CALIB = {**CONFIG["calibration"], "num_samples": 64, "max_len": 96}  # a quick calibration for tests
+
+
+def calibrate_fp8(ckpt: Path, hf: Path, out: Path, **overrides) -> Path:
+    from workflow import calibrate
+
+    params = json.dumps({**CALIB, **overrides})
+    calibrate.main(["--ckpt", str(ckpt), "--hf", str(hf), "--out", str(out), "--precision", "fp8", "--params", params])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8(tiny_ckpt, tiny_hf) -> Path:
+    """calibrate's fp8 output directory: checkpoint/, dataset/, amax.json, quant_summary.txt."""
+    return calibrate_fp8(tiny_ckpt, tiny_hf, tiny_ckpt.parent / "calib-fp8")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_engine_dir(tiny_fp8) -> Path:
+    return build_engine(tiny_fp8 / "checkpoint", tiny_fp8.parent / "engine-torch-fp8", precision="fp8")

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from workflow import artifacts, traffic
+from workflow import artifacts, dataset, traffic
 from workflow.download import load_hf_state
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
-from workflow.errors import run_main
+from workflow.errors import InputError, run_main
 from workflow.generate import Ids, audio_mode_after, generate
 from workflow.reference import MossSpeechReference, ReferenceEngine
 from workflow.spec import load_spec
@@ -100,6 +100,19 @@ def greedy(engine: Engine, ref: ReferenceEngine, prompts: torch.Tensor, steps: i
     }
 
 
+def check_held_out(prompts: torch.Tensor, calib_dir: Path) -> dict:
+    """No verify prompt may be (the start of) a calibration row: held-out means never calibrated on."""
+    import datasets
+
+    t = prompts.shape[1]
+    rows = dataset.as_tensors(datasets.load_from_disk(str(calib_dir)))
+    seen = {tuple(r[:t].flatten().tolist()) for r in rows if r.shape[0] >= t}
+    for i, p in enumerate(prompts):
+        if tuple(p.flatten().tolist()) in seen:
+            raise InputError(calib_dir, f"verify prompt {i} is a calibration row: the held-out set is not disjoint")
+    return {"calibration_rows": len(rows), "disjoint": True}
+
+
 def failures(report: dict, thresholds: dict) -> list[str]:
     """Every threshold missed, as 'what: got vs limit'."""
     out = []
@@ -124,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", type=Path, required=True)
     ap.add_argument("--ckpt", type=Path, required=True, help="the checkpoint the engine must come from")
     ap.add_argument("--hf", type=Path, required=True, help="HF checkpoint for the reference")
+    ap.add_argument("--calib-data", type=Path, help="the calibration set, if any: prompts must not be in it")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--params", required=True, help="the verify section of the config, as JSON")
     args = ap.parse_args(argv)
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         "reference": f"transformers.Qwen3ForCausalLM, text and audio paths, {p['reference_dtype']}",
         "device": str(engine.device),
         "prompts": {"count": p["num_prompts"], "length": p["prompt_len"], "seed": p["seed"]},
+        "held_out": check_held_out(prompts, args.calib_data) if args.calib_data and args.calib_data.exists() else None,
         "teacher_forced": teacher_forced(engine, ref, prompts, ids),
         "greedy": greedy(engine, ReferenceEngine(ref, engine.device), prompts, p["greedy_steps"], ids),
         "thresholds": p["thresholds"][precision],
