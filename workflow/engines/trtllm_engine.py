@@ -274,7 +274,7 @@ class TrtllmEngine(Engine):
 def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TrtllmEngine:
     """Open an engine directory written by build (a CUDA device; a batch limit up to the built one)."""
     built, device = meta["options"]["max_batch"], device or meta["options"]["device"]
-    if device != "cuda":
+    if torch.device(device).type != "cuda":
         raise InputError(engine_dir, f"backend trtllm runs on cuda only, not on device '{device}'")
     if (max_batch or built) > built:
         raise InputError(engine_dir, f"max_batch {max_batch} exceeds the {built} the engine was built for")
