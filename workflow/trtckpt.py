@@ -103,9 +103,16 @@ def expected_tensors(spec: ModelSpec, fp8: bool) -> dict[str, tuple[tuple[int, .
     return out
 
 
-def check_tensors(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], spec: ModelSpec, fp8: bool, source: str) -> None:
+TensorMeta = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def check_tensors(tensors: TensorMeta, spec: ModelSpec, fp8: bool, source: str) -> None:
     """InputError naming the first missing, unexpected, mis-shaped or mis-typed tensor."""
-    want = expected_tensors(spec, fp8)
+    compare_tensors(tensors, expected_tensors(spec, fp8), source)
+
+
+def compare_tensors(tensors: TensorMeta, want: TensorMeta, source: str) -> None:
+    """`tensors` must be exactly `want` (name -> shape, dtype); InputError names the first difference."""
     for name, (shape, dtype) in want.items():
         if name not in tensors:
             raise InputError(source, f"tensor '{name}' is missing")
