@@ -37,7 +37,8 @@ PY = shlex.quote(sys.executable)
 
 def code(module):
     """workflow/<module>.py and every workflow module it imports, transitively: inputs of the
-    rule that runs it, so that editing any of them reruns that rule and what follows."""
+    rule that runs it, so that editing any of them reruns that rule and what follows.
+    Imports under `if TYPE_CHECKING:` are types only and are not followed."""
     seen, todo = set(), [f"workflow.{module}"]
     while todo:
         name = todo.pop()
@@ -50,15 +51,27 @@ def code(module):
         seen.add(path)
         for i in range(1, len(parts)):
             todo.append(".".join(parts[:i]))
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                todo += [a.name for a in node.names if a.name.startswith("workflow")]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "workflow"
-            ):
-                todo.append(node.module)
-                todo += [f"{node.module}.{a.name}" for a in node.names]
+        todo += _imports(ast.parse(path.read_text()))
     return sorted(str(p) for p in seen)
+
+
+def _imports(tree):
+    """Names of workflow modules imported anywhere in tree, type-only blocks excepted."""
+    out = []
+    for node in ast.iter_child_nodes(tree):
+        if (
+            isinstance(node, ast.If)
+            and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        ):
+            continue
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("workflow")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "workflow"
+        ):
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        out += _imports(node)
+    return out
 
 
 def res(rule):

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", help="torch backend compute dtype")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: decode without CUDA graphs")
+    ap.add_argument("--compile", action="store_true", help="torch backend: fuse elementwise work with torch.compile")
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device, "build")
     cfg, spec = trtckpt.read_config(args.ckpt)
@@ -48,7 +50,14 @@ def main(argv: list[str] | None = None) -> None:
         "backend": args.backend,
         "precision": args.precision,
         "checkpoint": {"sha256": artifacts.read_manifest(args.ckpt)["sha256"], "path": str(args.ckpt)},
-        "options": {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch, "max_seq_len": args.max_seq_len},
+        "options": {
+            "device": args.device,
+            "dtype": args.dtype,
+            "max_batch": args.max_batch,
+            "max_seq_len": args.max_seq_len,
+            "cuda_graphs": not args.no_cuda_graphs,
+            "compile": args.compile,
+        },
         "spec": spec.to_dict(),
         "versions": versions(),
     }

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from workflow.engines.base import Engine
 from workflow.spec import ModelSpec
+
+if TYPE_CHECKING:  # a type only: the loop must not depend on any engine's code
+    from workflow.engines.base import Engine
 
 
 @dataclass(frozen=True)

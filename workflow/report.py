@@ -1,6 +1,22 @@
-"""benchmark.md (a table a person reads) and the benchmark's plots."""
+"""benchmark.md (a table a person reads), the benchmark's plots, and its schema check."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workflow.errors import InputError
+
+
+def check_schema(b: dict, schema_path: Path) -> None:
+    """benchmark.json must match its schema: a figure that goes missing fails the rule."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(b, json.loads(schema_path.read_text()))
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(top)"
+        raise InputError("benchmark.json", f"breaks {schema_path.name} at {where}: {e.message}") from None
 
 
 def _row(name: str, streams: str, r: dict) -> str:
@@ -13,27 +29,93 @@ def _row(name: str, streams: str, r: dict) -> str:
 
 
 def markdown(b: dict) -> str:
-    """The benchmark as a Markdown page: summary, then one row per system and stream count."""
-    st, sm = b["settings"], b["summary"]
+    """The benchmark as a Markdown page: summary with ratios, micro-benchmark, streams."""
+    st, sm, m, f = b["settings"], b["summary"], b["machine"], b["floors"]
     lines = [
-        f"# Streaming benchmark: {b['engine']['backend']} / {b['engine']['precision']} on {b['device']}",
+        f"# Streaming benchmark: {b['engine']['backend']} / {b['engine']['precision']} on {m['device']}",
         "",
-        f"Prompt {st['prompt_len']} tokens ending in start-of-speech; {st['num_tokens']} audio codes "
-        f"({st['num_tokens'] * 0.08:.1f} s of audio); a chunk every {st['chunk_tokens']} codes; "
-        f"{st['warmup']} warm-up + {st['runs']} measured runs. Vocoder: {b['vocoder']['name']} "
-        f"({b['vocoder']['weights']} weights, {b['vocoder']['parameters'] / 1e6:.1f} M params). "
-        f"Mel stage: {b['mel_stage']}.",
+        f"Commit {b['commit']}. Prompt {st['prompt_len']} tokens ending in start-of-speech; {st['num_tokens']} audio "
+        f"codes ({st['num_tokens'] * 0.08:.1f} s of audio) per stream, {st['sampling']} sampling; a chunk every "
+        f"{st['chunk_tokens']} codes; {st['warmup']} warm-up + {st['runs']} measured runs. Vocoder: "
+        f"{b['vocoder']['name']} ({b['vocoder']['weights']} weights, {b['vocoder']['parameters'] / 1e6:.1f} M params, "
+        f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}). Mel stage: {b['mel_stage']}.",
         "",
-        f"- time to first audio p50 {sm['ttfa_ms_p50']:.1f} ms, p99 {sm['ttfa_ms_p99']:.1f} ms; RTF {sm['rtf']:.3f}",
-        f"- decode step p50 {sm['decode_step_ms_p50']:.3f} ms; floor {sm['decode_floor_ms']:.3f} ms "
-        f"(weight bytes / {b['copy_bandwidth_GBps']:.0f} GB/s measured copy bandwidth): "
+        f"Measured here: copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s, matmul {m['matmul_peak_TFLOPs']:.1f} TFLOP/s.",
+        "",
+        f"- time to first audio p50 {sm['ttfa_ms_p50']:.1f} ms, p99 {sm['ttfa_ms_p99']:.1f} ms; RTF {sm['rtf']:.4f} (one stream)",
+        f"- decode step (audio mode, batch 1) {sm['decode_step_ms']:.3f} ms; floor {sm['decode_floor_ms']:.3f} ms: "
         f"{sm['decode_vs_floor']:.2f} x floor",
-        f"- most concurrent streams with RTF < 1: {sm['max_streams_rtf_below_1']}",
+        f"- prefill of {st['prompt_len']} tokens {sm['prefill_ms']:.2f} ms; matmul floor {f['prefill_ms']:.2f} ms: "
+        f"{100 * sm['prefill_matmul_efficiency']:.0f} % of the measured matmul rate",
+        f"- most concurrent streams with RTF < 1: {sm['max_streams_rtf_below_1']} (of {st['concurrency']})",
+    ]
+    if "speedup_vs_eager_decode" in sm:
+        lines.append(
+            f"- against the eager transformers baseline: decode step {sm['speedup_vs_eager_decode']:.1f} x faster, "
+            f"time to first audio {sm['speedup_vs_eager_ttfa']:.1f} x faster"
+        )
+    lines += [
         "",
-        "| system | streams | TTFA ms p50 / p99 | RTF p50 | prefill ms | decode step ms p50 / p99 "
-        "| mel ms | vocoder ms | tokens/s |",
+        "| system | prefill ms p50 | decode step, audio mode, ms p50 / p99 | decode step, text mode, ms p50 |",
+        "|---|---|---|---|",
+    ]
+    for name, mb in b["microbench"].items():
+        a = mb["decode_audio_mode_ms"]
+        text = mb["decode_text_mode_ms"]["p50"]
+        lines.append(f"| {name} | {mb['prefill_ms']['p50']:.2f} | {a['p50']:.3f} / {a['p99']:.3f} | {text:.3f} |")
+    lines += [
+        f"| floor | {f['prefill_ms']:.2f} | {f['decode_audio_mode_ms']:.3f} | {f['decode_text_mode_ms']:.3f} |",
+        "",
+        "| system | streams | TTFA ms p50 / p99 | RTF p50 | prefill ms | token ms p50 / p99 | mel ms | vocoder ms | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, per_n in b["results"].items():
+    for name, per_n in b["streams"].items():
         lines += [_row(name, n, r) for n, r in per_n.items()]
+    lines += ["", "Token ms is request-loop time per step (engine step, sampling, host work), vocoder time excluded."]
     return "\n".join(lines) + "\n"
+
+
+def plots(b: dict, out: Path) -> None:
+    """timeline.png (chunks against the playback deadline), latency_cdf.png, concurrency.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chunk_s = b["settings"]["chunk_tokens"] * 0.08
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, per_n in b["streams"].items():
+        ready = per_n["1"]["chunk_ready_ms"]
+        ax.plot(range(1, len(ready) + 1), ready, "o-", label=f"{name}: chunk ready")
+    ready = b["streams"]["engine"]["1"]["chunk_ready_ms"]
+    deadline = [ready[0] + 1e3 * chunk_s * i for i in range(len(ready))]
+    ax.plot(range(1, len(ready) + 1), deadline, "k--", label="engine: playback needs it (after the first chunk)")
+    ax.set(xlabel="chunk", ylabel="ms after the request", title="Per-chunk timeline, one stream")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, per_n in b["streams"].items():
+        xs = sorted(per_n["1"]["token_ms"])
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{name}: per-token latency")
+    ax.set(xscale="log", xlabel="ms", ylabel="fraction of tokens", title="Per-token latency CDF, one stream")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = sorted(int(n) for n in b["streams"]["engine"])
+    ax.plot(ns, [b["streams"]["engine"][str(n)]["rtf"]["p50"] for n in ns], "o-", label="engine: RTF p50 per stream")
+    ax.axhline(1.0, color="k", ls="--", label="real time")
+    ax2 = ax.twinx()
+    ax2.plot(ns, [b["streams"]["engine"][str(n)]["ttfa_ms"]["p50"] for n in ns], "s:", color="tab:orange", label="TTFA p50 (ms)")
+    ax.set(xscale="log", xlabel="concurrent streams (one batch)", ylabel="RTF", title="Concurrency")
+    ax2.set_ylabel("time to first audio, ms")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "concurrency.png", dpi=110)
+    plt.close(fig)

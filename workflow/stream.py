@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from workflow.engines.base import Engine
-from workflow.generate import Ids, generate
+from workflow.generate import Ids, Sampling, generate
 from workflow.vocoder import SECONDS_PER_TOKEN, MelStandIn
 
 Clock = Callable[[], float]
+GREEDY = Sampling(greedy=True)
 
 
 @dataclass
@@ -94,6 +95,8 @@ def run_stream(
     samples_per_token: int,
     ids: Ids,
     clock: Clock,
+    sampling: Sampling = GREEDY,
+    generator: torch.Generator | None = None,
 ) -> tuple[Timeline, torch.Tensor]:
     """Stream `num_tokens` audio codes for each prompt row; returns the timeline and the PCM
     [B, num_tokens * samples_per_token]: each chunk emits exactly its codes x 80 ms."""
@@ -122,7 +125,8 @@ def run_stream(
             done += pending
         timeline.t_resume.append(clock())
 
-    generate(_Timed(engine, clock, timeline), prompt, num_tokens, ids, min_speech_tokens=num_tokens, on_step=on_step)
+    engine = _Timed(engine, clock, timeline)
+    generate(engine, prompt, num_tokens, ids, sampling, generator, min_speech_tokens=num_tokens, on_step=on_step)
     return timeline, torch.cat(pcm, dim=1) if pcm else torch.zeros(prompt.shape[0], 0)
 
 

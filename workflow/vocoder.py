@@ -11,6 +11,7 @@ own, so the real decoder's cost can be added without touching the rest.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,12 @@ class MelStandIn:
 
 
 def load_bigvgan(name: str, weights_dir: str | None, device: torch.device, dtype: torch.dtype, fused_kernel: bool = False):
-    """BigVGAN-v2 with its weight norm removed; real weights from weights_dir if given."""
+    """BigVGAN-v2 with its weight norm removed; real weights from weights_dir if given.
+
+    fused_kernel asks for BigVGAN's fused CUDA activation. As shipped it is compiled at first
+    use for compute_70/80, which CUDA 13's nvcc rejects: any failure falls back to the plain
+    torch activation with a notice on stderr, and VocoderInfo.fused_kernel says which ran.
+    """
     import bigvgan  # imports librosa and friends: only when a vocoder is wanted
     from bigvgan.env import AttrDict
 
@@ -87,7 +93,12 @@ def load_bigvgan(name: str, weights_dir: str | None, device: torch.device, dtype
             raise InputError("config: benchmark.vocoder.name", f"unknown vocoder '{name}' (known: {', '.join(CONFIGS)})")
         h = dict(CONFIGS[name])
     torch.manual_seed(0)
-    model = bigvgan.BigVGAN(AttrDict(h), use_cuda_kernel=fused_kernel)
+    fused = fused_kernel and device.type == "cuda"
+    if fused_kernel and not fused:
+        print("notice: BigVGAN's fused activation needs CUDA; using the torch activation", file=sys.stderr)
+    model = _build(bigvgan, AttrDict(h), fused, device)
+    if model is None:
+        fused, model = False, _build(bigvgan, AttrDict(h), False, device)
     if weights_dir:
         path = Path(weights_dir) / "bigvgan_generator.pt"
         state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code
@@ -101,6 +112,56 @@ def load_bigvgan(name: str, weights_dir: str | None, device: torch.device, dtype
         hop=h["hop_size"],
         num_mels=h["num_mels"],
         parameters=sum(p.numel() for p in model.parameters()),
-        fused_kernel=fused_kernel,
+        fused_kernel=fused,
     )
     return model, info
+
+
+def _build(bigvgan, h, fused: bool, device: torch.device):
+    """A BigVGAN; with the fused kernel, one that has run once (it compiles on first use), or None."""
+    model = None
+    try:
+        model = bigvgan.BigVGAN(h, use_cuda_kernel=fused)
+        if fused:
+            with torch.no_grad():
+                model.to(device)(torch.zeros(1, h["num_mels"], 8, device=device))
+    except Exception as e:
+        if not fused:
+            raise
+        print(
+            f"notice: BigVGAN's fused CUDA activation did not build ({type(e).__name__}: {str(e)[:200]}); "
+            "using the torch activation",
+            file=sys.stderr,
+        )
+        return None
+    return model
+
+
+class Graphed:
+    """Replays a module from one CUDA graph per input shape (a chunk's mel is 37 or 38 frames);
+    on the CPU it just calls it."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.module, self.device = module, device
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return self.module(x)
+        key = tuple(x.shape)
+        if key not in self.graphs:
+            static = x.clone()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.module(static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.module(static)
+            self.graphs[key] = (graph, static, out)
+        graph, static, out = self.graphs[key]
+        static.copy_(x)
+        graph.replay()
+        return out.clone()

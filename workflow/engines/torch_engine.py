@@ -1,13 +1,18 @@
 """Our PyTorch engine: reads the TensorRT-LLM checkpoint, three static KV caches, two heads.
 
-gpt-fast in spirit: plain modules, static cache buffers written with index_copy_, the
-attention mask derived on the device from the positions, no host syncs in a step, so that a
-decode step can be captured in a CUDA graph. Layers 0..S-1 are the trunk, then the text
-branch, then the audio branch; each layer owns its cache, so branches cannot alias.
+gpt-fast in spirit: plain modules, static cache buffers written with index_copy_, masks
+derived on the device from the positions, no host syncs in a step. Layers 0..S-1 are the
+trunk, then the text branch, then the audio branch; each layer owns its cache, so branches
+cannot alias. On CUDA each decode step is replayed from a CUDA graph (one per batch size,
+text-head need and attention bucket); decode attends to the first `kv_len` cached positions,
+a multiple of KV_BUCKET just past the sequence, rather than to the whole cache. Optionally the
+elementwise work between the matmuls (norms, q/k norm + rope, SiLU gate) is fused by
+torch.compile: small shape-stable functions, compiled once and shared by every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_BUCKET = 128  # decode attends to the cache in steps of this many positions
 
 
 @dataclass(frozen=True)
@@ -29,19 +35,39 @@ class EngineOptions:
     dtype: str = "float32"  # compute dtype: float32 on CPU (exact checks), bfloat16 on CUDA
     max_batch: int = 4
     max_seq_len: int = 1024
+    cuda_graphs: bool = True  # CUDA only: replay each decode step from a captured graph
+    compile: bool = False  # fuse the elementwise work between matmuls with torch.compile
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3's RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX rotary embedding (rotate halves): x [B, T, heads, d], cos/sin [T, d/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm, then rope, then heads first: [B, T, H, d] -> [B, H, T, d]."""
+    return rope(rms_norm(x, weight, eps), cos, sin).transpose(1, 2)
+
+
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Fused:
+    """The elementwise helpers a layer calls: plain, or each compiled once for every layer."""
+
+    def __init__(self, compile: bool):
+        wrap: Callable = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
+        self.rms_norm, self.norm_rope, self.silu_gate = wrap(rms_norm), wrap(norm_rope), wrap(silu_gate)
 
 
 class Linear(nn.Module):
@@ -72,42 +98,27 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w_deq is not None:
             return F.linear(fp8.fake_quant(x, self.a_scale), self.w_deq)
-        shape = x.shape
-        xq = fp8.quantize(x.reshape(-1, shape[-1]), self.a_scale)
-        m = xq.shape[0]
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        m = x.shape[0]
+        pad = -m % 16  # cuBLASLt's FP8 GEMM wants every dimension a multiple of 16
+        xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, self.a_scale)
         if self.w_scale.numel() == 1:
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=self.a_scale, scale_b=self.w_scale.reshape(1), out_dtype=self.dtype)
-        else:  # row-wise: scale_a [M, 1], scale_b [1, N]
-            y = torch._scaled_mm(
-                xq,
-                self.weight.t(),
-                scale_a=self.a_scale.expand(m, 1).contiguous(),
-                scale_b=self.w_scale.reshape(1, -1).contiguous(),
-                out_dtype=self.dtype,
-            )
-        return y.reshape(*shape[:-1], -1)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX rotary embedding (rotate halves): x [B, T, heads, d], cos/sin [T, d/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        else:  # row-wise scales: scale_a [M, 1], scale_b [1, N]
+            scale_a = self.a_scale.expand(m + pad, 1).contiguous()
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=scale_a, scale_b=self.w_scale.reshape(1, -1), out_dtype=self.dtype)
+        return y[:m].reshape(*shape[:-1], -1)
 
 
 class Layer(nn.Module):
     """One Qwen3 decoder layer with its own KV cache."""
 
-    def __init__(self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor]):
+    def __init__(self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], fused: Fused):
         super().__init__()
-        self.spec = spec
+        self.spec, self.fused = spec, fused
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
-        eps = spec.rms_norm_eps
-        self.input_layernorm = RMSNorm(norms["input_layernorm"], eps)
-        self.post_layernorm = RMSNorm(norms["post_layernorm"], eps)
-        self.q_norm = RMSNorm(norms["attention.q_layernorm"], eps)
-        self.k_norm = RMSNorm(norms["attention.k_layernorm"], eps)
+        self.norms = norms
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -117,21 +128,27 @@ class Layer(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        s, b, t = self.spec, x.shape[0], x.shape[1]
-        q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-        q, k, v = self.qkv(self.input_layernorm(x)).split([q_size, kv_size, kv_size], dim=-1)
-        q = rope(self.q_norm(q.view(b, t, -1, s.head_dim)), cos, sin).transpose(1, 2)
-        k = rope(self.k_norm(k.view(b, t, -1, s.head_dim)), cos, sin).transpose(1, 2)
-        v = v.view(b, t, -1, s.head_dim).transpose(1, 2)
+        """mask None: prefill from an empty cache, causal over the new tokens; otherwise attend
+        to the first mask.shape[-1] cached positions where mask is True."""
+        s, f, n, b, t = self.spec, self.fused, self.norms, x.shape[0], x.shape[1]
+        eps, d = s.rms_norm_eps, s.head_dim
+        q_size, kv_size = s.num_attention_heads * d, s.num_key_value_heads * d
+        q, k, v = self.qkv(f.rms_norm(x, n["input_layernorm"], eps)).split([q_size, kv_size, kv_size], dim=-1)
+        q = f.norm_rope(q.view(b, t, -1, d), n["attention.q_layernorm"], eps, cos, sin)
+        k = f.norm_rope(k.view(b, t, -1, d), n["attention.k_layernorm"], eps, cos, sin)
+        v = v.view(b, t, -1, d).transpose(1, 2)
         k_cache, v_cache = self.k_cache[:b], self.v_cache[:b]
         k_cache.index_copy_(2, pos, k)
         v_cache.index_copy_(2, pos, v)
-        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            kv_len = mask.shape[-1]
+            y = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=True)
         h = x + self.dense(y.transpose(1, 2).reshape(b, t, q_size))
-        gate, up = self.gate_up(self.post_layernorm(h)).chunk(2, dim=-1)
-        return h + self.proj(F.silu(gate) * up)
+        return h + self.proj(f.silu_gate(self.gate_up(f.rms_norm(h, n["post_layernorm"], eps))))
 
 
 def _linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
@@ -157,7 +174,8 @@ def _linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, 
     w_scale = torch.cat([w_fc.expand(rows), w_gate.expand(rows)])
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
-    out["mlp.gate_up"] = Fp8Linear(torch.cat([weight("mlp.fc"), weight("mlp.gate")]), w_scale, torch.maximum(a_fc, a_gate), dtype)
+    gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
+    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype)
     return out
 
 
@@ -174,24 +192,26 @@ class TorchEngine(Engine, nn.Module):
         def t(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dt)
 
+        fused = Fused(options.compile)
         self.embedding = t("transformer.vocab_embedding.weight")
-        layers = []
-        for n in range(spec.num_layers):
-            p = f"transformer.layers.{n}."
-            norms = {
-                k: t(p + k + ".weight")
-                for k in ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
-            }
-            layers.append(Layer(spec, _linears(tensors, p, dt, dev), norms))
-        self.layers = nn.ModuleList(layers)
+        norm_names = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
+        self.layers = nn.ModuleList(
+            Layer(
+                spec,
+                _linears(tensors, f"transformer.layers.{n}.", dt, dev),
+                {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
+                fused,
+            )
+            for n in range(spec.num_layers)
+        )
         plan = layer_plan(spec)
         self.trunk = [self.layers[i] for i in plan["shared_block"]]
         self.text_block = [self.layers[i] for i in plan["text_block"]]
         self.audio_block = [self.layers[i] for i in plan["audio_block"]]
-        self.ln_f = RMSNorm(t("transformer.ln_f.weight"), spec.rms_norm_eps)
-        self.audio_ln_f = RMSNorm(t("transformer.audio_ln_f.weight"), spec.rms_norm_eps)
+        self.ln_f, self.audio_ln_f = t("transformer.ln_f.weight"), t("transformer.audio_ln_f.weight")
         self.lm_head = Linear(t("lm_head.weight"))
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
+        self.fused = fused
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
@@ -201,13 +221,17 @@ class TorchEngine(Engine, nn.Module):
         self.batch = 0
         self.length = 0  # host-side count of cached positions (no device sync needed)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # device-side: the next position
+        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
+        self.static_ids = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)
 
     def forward_ids(
-        self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool
+        self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """ids [B, T] rows of the embedding table at positions pos [T] -> both heads' logits."""
+        """ids [B, T] rows of the embedding table at positions pos [T] -> both heads' logits.
+        kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions."""
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = torch.arange(self.max_seq_len, device=ids.device)[None, :] <= pos[:, None]
+        mask = None if kv_len is None else torch.arange(kv_len, device=ids.device)[None, :] <= pos[:, None]
         x = F.embedding(ids, self.embedding)
         for layer in self.trunk:
             x = layer(x, cos, sin, pos, mask)
@@ -218,8 +242,9 @@ class TorchEngine(Engine, nn.Module):
             audio = layer(audio, cos, sin, pos, mask)
         if not all_logits:
             text, audio = text[:, -1], audio[:, -1]
-        text_logits = self.lm_head(self.ln_f(text)).float() if need_text else None
-        return text_logits, self.audio_lm_head(self.audio_ln_f(audio)).float()
+        eps, norm = self.spec.rms_norm_eps, self.fused.rms_norm
+        text_logits = self.lm_head(norm(text, self.ln_f, eps)).float() if need_text else None
+        return text_logits, self.audio_lm_head(norm(audio, self.audio_ln_f, eps)).float()
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,26 +254,56 @@ class TorchEngine(Engine, nn.Module):
         self.batch, self.length = b, t
         self.pos.fill_(t)
         ids = merged_ids(tokens.to(self.device), self.spec)
-        text, audio = self.forward_ids(ids, torch.arange(t, device=self.device), True, all_logits)
+        text, audio = self.forward_ids(ids, torch.arange(t, device=self.device), True, all_logits, None)
         assert text is not None
         return text, audio
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if tokens.shape[0] != self.batch:
-            raise ValueError(f"decode of batch {tokens.shape[0]} after a prefill of batch {self.batch}")
+        b = tokens.shape[0]
+        if b != self.batch:
+            raise ValueError(f"decode of batch {b} after a prefill of batch {self.batch}")
         if self.length >= self.max_seq_len:
             raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
+        kv_len = min(self.max_seq_len, -(-(self.length + 1) // KV_BUCKET) * KV_BUCKET)
         ids = merged_ids(tokens.to(self.device), self.spec)[:, None]
-        out = self.forward_ids(ids, self.pos, need_text, False)
+        if self.use_graphs:
+            out = self._replay(ids, need_text, kv_len)
+        else:
+            out = self.forward_ids(ids, self.pos, need_text, False, kv_len)
         self.pos += 1
         self.length += 1
         return out
+
+    def _replay(self, ids: torch.Tensor, need_text: bool, kv_len: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The decode step from a CUDA graph, captured on first use of its (batch, head, bucket)."""
+        b = ids.shape[0]
+        self.static_ids[:b].copy_(ids)
+        key = (b, need_text, kv_len)
+        if key not in self.graphs:
+            # warm up off the capture (it writes this step's K/V, as the replay will again)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.forward_ids(self.static_ids[:b], self.pos, need_text, False, kv_len)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graphs_pool()):
+                out = self.forward_ids(self.static_ids[:b], self.pos, need_text, False, kv_len)
+            self.graphs[key] = (graph, out)
+        graph, (text, audio) = self.graphs[key]
+        graph.replay()
+        return (None if text is None else text.clone()), audio.clone()
+
+    def graphs_pool(self):
+        if not hasattr(self, "_pool"):
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
 
 def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TorchEngine:
     """Open an engine directory written by build (its checkpoint files are hard links)."""
     opts = EngineOptions(**meta["options"])
     opts = replace(opts, device=device or opts.device, max_batch=max_batch or opts.max_batch)
-    _, spec, tensors = trtckpt.load_checkpoint(engine_dir)
+    _, spec, tensors = trtckpt.load_checkpoint(engine_dir, device="cuda" if opts.device.startswith("cuda") else "cpu")
     return TorchEngine(spec, tensors, opts)

@@ -1,0 +1,205 @@
+"""GPU probe: the machine's ceilings and every engine variant on the exact full MOSS-Speech shape.
+
+Random weights of the full shape are generated on the GPU and kept in memory (no disk), so one
+call can build, check and time all variants: eager, CUDA graphs, compile + graphs, in bf16 and
+with an FP8 trunk (calibrated by modelopt on synthetic traffic), plus the vocoder. Each
+variant is checked against the transformers reference (teacher-forced top-1 and KL) before
+it is timed. This informs the engine's defaults; the numbers that claims rest on come from the
+pipeline itself (benchmark rule), run by benchmarks/gpu_pipeline.sh.
+
+    python benchmarks/gpu_probe.py --out $OUT/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workflow import calibrate, roofline, traffic
+from workflow.engines.torch_engine import EngineOptions, TorchEngine
+from workflow.generate import Ids, audio_mode_after
+from workflow.names import hf_to_trt
+from workflow.reference import MossSpeechReference
+from workflow.spec import PRESETS
+from workflow.synthetic import synthetic_state
+from workflow.verify import head_metrics
+from workflow.vocoder import Graphed, load_bigvgan
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a local smoke run on tiny
+LOG: list[str] = []
+
+
+def say(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    LOG.append(line)
+    print(line, flush=True)
+
+
+def agreement(engine, ref, prompts, ids) -> dict:
+    """Teacher-forced metrics of both heads, engine vs reference (the verify metrics)."""
+    et, ea = engine.prefill(prompts, all_logits=True)
+    rt, ra, _ = ref(prompts)
+    mode = audio_mode_after(prompts, ids).flatten().cpu()
+    n = ids.eosp + 1
+    text = head_metrics(rt.flatten(0, 1).cpu(), et.flatten(0, 1).cpu(), ~mode)
+    audio = head_metrics(ra[..., :n].flatten(0, 1).cpu(), ea[..., :n].flatten(0, 1).cpu(), mode)
+    return {h: {k: m[k] for k in ("top1", "kl_mean", "max_abs_diff")} for h, m in (("text", text), ("audio", audio))}
+
+
+def decode_matches(engine, ids, prompt, steps: int = 8) -> float:
+    """Max |logit diff| between graph-replayed and eager decode steps of the same engine."""
+    if DEV.type != "cuda":
+        return float("nan")
+    worst = 0.0
+    tok = torch.tensor([[ids.pad, 123]] * prompt.shape[0])
+    for use_graphs in (False, True):
+        engine.use_graphs = use_graphs
+        engine.prefill(prompt)
+        outs = [engine.decode(tok, need_text=True) for _ in range(steps)]
+        if not use_graphs:
+            eager = outs
+    for (a_t, a_a), (b_t, b_a) in zip(eager, outs, strict=True):
+        worst = max(worst, float((a_t - b_t).abs().max()), float((a_a - b_a).abs().max()))
+    engine.use_graphs = True
+    return worst
+
+
+def micro(engine, ids, batches: tuple[int, ...] = (1,), repeat: int = 20) -> dict:
+    out = {}
+    prompt = traffic.speech_prompt(1, 512, ids, seed=0)
+    out["prefill512_ms"] = roofline.median(roofline.timed_ms(lambda: engine.prefill(prompt), DEV, 5))
+    for b in batches:
+        p = traffic.speech_prompt(b, 512, ids, seed=0)
+        engine.prefill(p)
+        audio, text = torch.tensor([[ids.pad, 100]] * b), torch.tensor([[100, ids.audio_pad]] * b)
+        for mode, tok, need_text in (("audio", audio, False), ("text", text, True)):
+            step = lambda tok=tok, need_text=need_text: engine.decode(tok, need_text=need_text)  # noqa: E731
+            out[f"decode_{mode}_b{b}_ms"] = roofline.median(roofline.timed_ms(step, DEV, repeat))
+    return out
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--preset", default="full")
+    args = ap.parse_args()
+    dtype, vocoder_name = (
+        ("bfloat16", "bigvgan_v2_24khz_100band_256x") if DEV.type == "cuda" else ("float32", "reduced_24khz_100band_256x")
+    )
+    torch._dynamo.config.cache_size_limit = 64
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+    res: dict = {"gpu": name, "torch": torch.__version__, "preset": args.preset, "variants": {}}
+    say(f"{res['gpu']}, torch {torch.__version__}")
+    res["copy_bandwidth_GBps"] = roofline.copy_bandwidth(DEV) / 1e9
+    res["matmul_peak_TFLOPs"] = roofline.matmul_peak(DEV) / 1e12
+    say(f"copy {res['copy_bandwidth_GBps']:.0f} GB/s, matmul {res['matmul_peak_TFLOPs']:.0f} TFLOP/s")
+    spec, ids = PRESETS[args.preset], Ids.of(PRESETS[args.preset])
+    t = time.time()
+    state = synthetic_state(spec, 0, DEV.type)
+    hf = {}
+    for k in list(state):
+        hf[k] = state.pop(k).to(torch.bfloat16)
+    free()
+    trt = hf_to_trt(hf, spec)
+    say(f"full synthetic weights on the GPU in {time.time() - t:.1f} s")
+    bw = res["copy_bandwidth_GBps"] * 1e9
+    floors = {
+        "bf16_audio": 1e3 * roofline.step_bytes(spec, 2, 2, False) / bw,
+        "bf16_text": 1e3 * roofline.step_bytes(spec, 2, 2, True) / bw,
+        "fp8_audio": 1e3 * roofline.step_bytes(spec, 1, 2, False) / bw,
+        "fp8_text": 1e3 * roofline.step_bytes(spec, 1, 2, True) / bw,
+        "prefill512": 1e3 * roofline.prefill_flops(spec, 512) / (res["matmul_peak_TFLOPs"] * 1e12),
+    }
+    res["floors_ms"] = floors
+    ref = MossSpeechReference(spec, hf, getattr(torch, dtype), DEV)
+    prompts = traffic.batch(2, 96, ids, seed=7001)
+    for name, graphs, compiled in (
+        ("bf16 eager", False, False),
+        ("bf16 graphs", True, False),
+        ("bf16 compile+graphs", True, True),
+    ):
+        t = time.time()
+        eng = TorchEngine(spec, trt, EngineOptions(DEV.type, dtype, 32, 1024, graphs, compiled))
+        v = {"agreement": agreement(eng, ref, prompts, ids)}
+        if graphs:
+            v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
+        v |= micro(eng, ids, (1, 32) if graphs else (1,))
+        v["build_and_check_s"] = time.time() - t
+        res["variants"][name] = v
+        say(f"{name}: {json.dumps(v)}")
+        del eng
+        free()
+    # FP8: modelopt on the reference over synthetic traffic, then the FP8 checkpoint's tensors
+    t = time.time()
+    rows = list(traffic.batch(args.calib_samples, 256, ids, seed=1234))
+    qref = MossSpeechReference(spec, hf, getattr(torch, dtype), DEV)
+    calibrate.quantize(qref, rows, DEV.type)
+    amax = calibrate.amax_table(qref)
+    del qref
+    free()
+    fp8 = calibrate.fp8_tensors(trt, amax, spec)
+    res["fp8_calibration_s"] = time.time() - t
+    say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
+    for name, compiled in (("fp8 graphs", False), ("fp8 compile+graphs", True)):
+        t = time.time()
+        eng = TorchEngine(spec, fp8, EngineOptions(DEV.type, dtype, 32, 1024, True, compiled))
+        v = {"agreement": agreement(eng, ref, prompts, ids)}
+        v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
+        v |= micro(eng, ids, (1, 32))
+        v["build_and_check_s"] = time.time() - t
+        res["variants"][name] = v
+        say(f"{name}: {json.dumps(v)}")
+        del eng
+        free()
+    # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
+    for fused in (False, True):
+        t = time.time()
+        model, info = load_bigvgan(vocoder_name, None, DEV, getattr(torch, dtype), fused_kernel=fused)
+        say(f"vocoder loaded (fused requested {fused}, ran {info.fused_kernel}) in {time.time() - t:.1f} s")
+        for b in (1, 32):
+            mel = torch.randn(b, 100, 38, device=DEV, dtype=getattr(torch, dtype))
+            graphed = Graphed(model, DEV)
+            eager = roofline.median(roofline.timed_ms(lambda m=model, x=mel: m(x), DEV, 10))
+            g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), DEV, 10))
+            diff = float((graphed(mel).float() - model(mel).float()).abs().max())
+            res[f"vocoder_fused{int(info.fused_kernel)}_b{b}"] = {
+                "eager_ms": eager,
+                "graph_ms": g,
+                "graph_vs_eager_max_diff": diff,
+            }
+            say(f"vocoder b{b} fused={info.fused_kernel}: eager {eager:.2f} ms, graph {g:.2f} ms, diff {diff:.2e}")
+        if not info.fused_kernel and fused:
+            break
+    args.out.write_text(json.dumps(res, indent=2))
+    print(
+        "\n| variant | top1 text/audio | KL text/audio | prefill512 ms | decode b1 audio ms (x floor) | text ms | b32 audio ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, v in res["variants"].items():
+        a = v["agreement"]
+        floor = floors["fp8_audio" if name.startswith("fp8") else "bf16_audio"]
+        print(
+            f"| {name} | {a['text']['top1']:.4f}/{a['audio']['top1']:.4f} | "
+            f"{a['text']['kl_mean']:.2e}/{a['audio']['kl_mean']:.2e} | "
+            f"{v['prefill512_ms']:.2f} | {v['decode_audio_b1_ms']:.3f} ({v['decode_audio_b1_ms'] / floor:.2f}) | "
+            f"{v['decode_text_b1_ms']:.3f} | {v.get('decode_audio_b32_ms', float('nan')):.3f} |"
+        )
+    print(f"floors ms: {json.dumps({k: round(x, 3) for k, x in floors.items()})}")
+
+
+if __name__ == "__main__":
+    main()
