@@ -104,7 +104,7 @@ class MossSpeechReference(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[DynamicCache, DynamicCache]]:
         """tokens [B, T, 2] (text id, audio id) -> text logits [B, T, V], audio logits [B, T, Va],
         and the two paths' caches, to pass back for the next tokens."""
-        emb = self.embed(tokens)
+        emb = self.embed(tokens.to(self.text_path.device))
         caches = caches or (DynamicCache(), DynamicCache())
         text = self.text_path(inputs_embeds=emb, past_key_values=caches[0], use_cache=True)
         audio = self.audio_path(inputs_embeds=emb, past_key_values=caches[1], use_cache=True)

@@ -5,14 +5,13 @@ derived on the device from the positions, no host syncs in a step. Layers 0..S-1
 trunk, then the text branch, then the audio branch; each layer owns its cache, so branches
 cannot alias. On CUDA each decode step is replayed from a CUDA graph (one per batch size,
 text-head need and attention bucket); decode attends to the first `kv_len` cached positions,
-a multiple of KV_BUCKET just past the sequence, rather than to the whole cache. Optionally the
-elementwise work between the matmuls (norms, q/k norm + rope, SiLU gate) is fused by
-torch.compile: small shape-stable functions, compiled once and shared by every layer.
+a multiple of KV_BUCKET just past the sequence, rather than to the whole cache. A layer is a
+pure function of its tensors (`layer_step`), so that with `compile` one torch.compile'd
+version of it, with the elementwise work between the matmuls fused, serves every layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -52,73 +51,106 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Qwen3's per-head q/k RMSNorm, then rope, then heads first: [B, T, H, d] -> [B, H, T, d]."""
-    return rope(rms_norm(x, weight, eps), cos, sin).transpose(1, 2)
-
-
-def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class Fused:
-    """The elementwise helpers a layer calls: plain, or each compiled once for every layer."""
-
-    def __init__(self, compile: bool):
-        wrap: Callable = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
-        self.rms_norm, self.norm_rope, self.silu_gate = wrap(rms_norm), wrap(norm_rope), wrap(silu_gate)
+def linear(x: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T, three ways. bf16: a_scale None. FP8 emulated exactly (CPU): w is the dequantized
+    weight and x is rounded through FP8 with a_scale. FP8 on CUDA: torch._scaled_mm over x
+    rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM wants that); w_scale is
+    one scale, or one per output row where two checkpoint tensors were fused (fc|gate)."""
+    if a_scale is None:
+        return F.linear(x, w)
+    if w_scale is None:
+        return F.linear(fp8.fake_quant(x, a_scale), w)
+    shape, x = x.shape, x.reshape(-1, x.shape[-1])
+    m, pad = x.shape[0], -x.shape[0] % 16
+    xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, a_scale)
+    if w_scale.numel() == 1:
+        y = torch._scaled_mm(xq, w.t(), scale_a=a_scale, scale_b=w_scale.reshape(1), out_dtype=x.dtype)
+    else:  # row-wise scales: scale_a [M, 1], scale_b [1, N]
+        scale_a = a_scale.expand(m + pad, 1).contiguous()
+        y = torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=w_scale.reshape(1, -1), out_dtype=x.dtype)
+    return y[:m].reshape(*shape[:-1], -1)
 
 
 class Linear(nn.Module):
+    """A bf16 (or float32) linear; `args()` is what `linear` takes after x."""
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
 
+    def args(self) -> tuple:
+        return (self.weight, None, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, *self.args())
 
 
-class Fp8Linear(nn.Module):
-    """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales.
-
-    `w_scale` is one scale, or one per output row (where two checkpoint tensors with their own
-    scales were fused, e.g. fc|gate). On CUDA: torch._scaled_mm. Elsewhere: the same rounding
-    emulated exactly through dequantisation, so CPU tests check the numerics.
-    """
+class Fp8Linear(Linear):
+    """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype):
-        super().__init__()
+        nn.Module.__init__(self)
         self.register_buffer("weight", weight)
         self.register_buffer("w_scale", w_scale.float().reshape(-1, 1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
-        self.dtype = dtype
         self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.w_scale).to(dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def args(self) -> tuple:
         if self.w_deq is not None:
-            return F.linear(fp8.fake_quant(x, self.a_scale), self.w_deq)
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        m = x.shape[0]
-        pad = -m % 16  # cuBLASLt's FP8 GEMM wants every dimension a multiple of 16
-        xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, self.a_scale)
-        if self.w_scale.numel() == 1:
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=self.a_scale, scale_b=self.w_scale.reshape(1), out_dtype=self.dtype)
-        else:  # row-wise scales: scale_a [M, 1], scale_b [1, N]
-            scale_a = self.a_scale.expand(m + pad, 1).contiguous()
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=scale_a, scale_b=self.w_scale.reshape(1, -1), out_dtype=self.dtype)
-        return y[:m].reshape(*shape[:-1], -1)
+            return (self.w_deq, self.a_scale, None)
+        return (self.weight, self.a_scale, self.w_scale)
+
+
+def layer_step(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    mask: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    norms: tuple[torch.Tensor, ...],
+    qkv: tuple,
+    dense: tuple,
+    gate_up: tuple,
+    proj: tuple,
+    eps: float,
+    head_dim: int,
+) -> torch.Tensor:
+    """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
+    serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
+    otherwise attend to the first mask.shape[-1] cached positions where mask is True.
+    norms: input, post-attention, q, k; each linear: (weight, a_scale, w_scale)."""
+    b, t, d = x.shape[0], x.shape[1], head_dim
+    kv_size = k_cache.shape[1] * d
+    q, k, v = linear(rms_norm(x, norms[0], eps), *qkv).split([qkv[0].shape[0] - 2 * kv_size, kv_size, kv_size], dim=-1)
+    q = rope(rms_norm(q.view(b, t, -1, d), norms[2], eps), cos, sin).transpose(1, 2)
+    k = rope(rms_norm(k.view(b, t, -1, d), norms[3], eps), cos, sin).transpose(1, 2)
+    v = v.view(b, t, -1, d).transpose(1, 2)
+    k_cache, v_cache = k_cache[:b], v_cache[:b]
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    if mask is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        kv_len = mask.shape[-1]
+        y = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=True)
+    h = x + linear(y.transpose(1, 2).reshape(b, t, -1), *dense)
+    gate, up = linear(rms_norm(h, norms[1], eps), *gate_up).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, *proj)
 
 
 class Layer(nn.Module):
-    """One Qwen3 decoder layer with its own KV cache."""
+    """One Qwen3 decoder layer's tensors and its own KV cache; `step` computes it."""
 
-    def __init__(self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], fused: Fused):
+    def __init__(self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step):
         super().__init__()
-        self.spec, self.fused = spec, fused
+        self.spec, self.step = spec, step
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
-        self.norms = norms
+        self.norms = tuple(
+            norms[k] for k in ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
+        )
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -130,25 +162,11 @@ class Layer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """mask None: prefill from an empty cache, causal over the new tokens; otherwise attend
-        to the first mask.shape[-1] cached positions where mask is True."""
-        s, f, n, b, t = self.spec, self.fused, self.norms, x.shape[0], x.shape[1]
-        eps, d = s.rms_norm_eps, s.head_dim
-        q_size, kv_size = s.num_attention_heads * d, s.num_key_value_heads * d
-        q, k, v = self.qkv(f.rms_norm(x, n["input_layernorm"], eps)).split([q_size, kv_size, kv_size], dim=-1)
-        q = f.norm_rope(q.view(b, t, -1, d), n["attention.q_layernorm"], eps, cos, sin)
-        k = f.norm_rope(k.view(b, t, -1, d), n["attention.k_layernorm"], eps, cos, sin)
-        v = v.view(b, t, -1, d).transpose(1, 2)
-        k_cache, v_cache = self.k_cache[:b], self.v_cache[:b]
-        k_cache.index_copy_(2, pos, k)
-        v_cache.index_copy_(2, pos, v)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            kv_len = mask.shape[-1]
-            y = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=True)
-        h = x + self.dense(y.transpose(1, 2).reshape(b, t, q_size))
-        return h + self.proj(f.silu_gate(self.gate_up(f.rms_norm(h, n["post_layernorm"], eps))))
+        return self.step(
+            x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
+            self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args(),
+            self.spec.rms_norm_eps, self.spec.head_dim,
+        )  # fmt: skip
 
 
 def _linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
@@ -192,7 +210,7 @@ class TorchEngine(Engine, nn.Module):
         def t(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dt)
 
-        fused = Fused(options.compile)
+        step = torch.compile(layer_step, dynamic=None, fullgraph=True) if options.compile else layer_step
         self.embedding = t("transformer.vocab_embedding.weight")
         norm_names = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
         self.layers = nn.ModuleList(
@@ -200,7 +218,7 @@ class TorchEngine(Engine, nn.Module):
                 spec,
                 _linears(tensors, f"transformer.layers.{n}.", dt, dev),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
-                fused,
+                step,
             )
             for n in range(spec.num_layers)
         )
@@ -211,7 +229,6 @@ class TorchEngine(Engine, nn.Module):
         self.ln_f, self.audio_ln_f = t("transformer.ln_f.weight"), t("transformer.audio_ln_f.weight")
         self.lm_head = Linear(t("lm_head.weight"))
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
-        self.fused = fused
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
@@ -242,9 +259,9 @@ class TorchEngine(Engine, nn.Module):
             audio = layer(audio, cos, sin, pos, mask)
         if not all_logits:
             text, audio = text[:, -1], audio[:, -1]
-        eps, norm = self.spec.rms_norm_eps, self.fused.rms_norm
-        text_logits = self.lm_head(norm(text, self.ln_f, eps)).float() if need_text else None
-        return text_logits, self.audio_lm_head(norm(audio, self.audio_ln_f, eps)).float()
+        eps = self.spec.rms_norm_eps
+        text_logits = self.lm_head(rms_norm(text, self.ln_f, eps)).float() if need_text else None
+        return text_logits, self.audio_lm_head(rms_norm(audio, self.audio_ln_f, eps)).float()
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
