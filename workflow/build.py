@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     args = ap.parse_args(argv)
-    check_engine_config(args.backend, args.precision, args.device, "build")
+    check_engine_config(args.backend, args.precision, args.device)
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
