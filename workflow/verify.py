@@ -189,7 +189,9 @@ def write_report(report: dict, out: Path) -> None:
         return
     artifacts.write_json(failed_path, report)
     out.unlink(missing_ok=True)
-    raise SystemExit(f"verify FAILED: {'; '.join(report['failures'])} (all metrics in {failed_path})")
+    failed = report["failures"]
+    more = f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+    raise SystemExit(f"verify FAILED: {'; '.join(failed[:3])}{more} (all metrics in {failed_path})")
 
 
 # What the engine and the reference must share for their outputs to be compared at all. The
