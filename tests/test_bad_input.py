@@ -212,6 +212,17 @@ def engine_from_another_checkpoint(request, tmp: Path) -> Bad:
     return Bad("verify", argv, out, f"error: {engine / 'engine.json'}: {problem}")
 
 
+def reference_of_another_model(request, tmp: Path) -> Bad:
+    """verify with a reference checkpoint whose special ids are not the engine's."""
+    hf = bad_hf(request, tmp)
+    edit_json(hf / "config.json", lambda c: c.update(sosp_token_id=151650))
+    engine, ckpt = request.getfixturevalue("tiny_engine_dir"), request.getfixturevalue("tiny_ckpt")
+    out = tmp / "verify.json"
+    argv = ["--engine", str(engine), "--ckpt", str(ckpt), "--hf", str(hf), "--out", str(out), "--params", verify_params()]
+    problem = "sosp_token_id is 151650 but the engine's is 151646: not the engine's model"
+    return Bad("verify", argv, out, f"error: {hf / 'config.json'}: {problem}")
+
+
 ROWS = {"text_ids": [[1] * 40] * 64, "audio_ids": [[512] * 40] * 64}
 CASES: dict[str, Callable[..., Bad]] = {
     "corrupt_safetensors_header": hf_case(corrupt_header_length),
@@ -270,6 +281,7 @@ CASES: dict[str, Callable[..., Bad]] = {
         "Directory {data} is neither a `Dataset` directory nor a `DatasetDict` directory.)",
     ),
     "engine_from_another_checkpoint": engine_from_another_checkpoint,
+    "reference_of_another_model": reference_of_another_model,
     "trtllm_on_cpu": build(
         ["--backend", "trtllm", "--device", "cpu"], "config: engine", "backend trtllm runs on cuda only, not on device 'cpu'"
     ),
