@@ -1,13 +1,21 @@
-"""verify passes a correct engine and fails closed on seeded conversion bugs."""
+"""verify passes a correct engine and fails closed on every seeded bug (tests/seeded_bugs.py)."""
 
 import json
 
 import pytest
 import torch
-from conftest import build_engine, verify_params, write_variant
+from conftest import CONFIG, build_engine, verify_params, write_variant
+from seeded_bugs import BUGS
 
-from workflow import verify
+from workflow import traffic, verify
+from workflow.download import load_hf_state
+from workflow.engines import load_engine
 from workflow.errors import InputError
+from workflow.generate import Ids
+from workflow.reference import MossSpeechReference
+from workflow.spec import load_spec
+
+QUICK = {"num_prompts": 4, "greedy_steps": 16}  # enough for every seeded bug; the default run is longer
 
 
 def run_verify(engine, ckpt, hf, out, **params):
@@ -28,38 +36,72 @@ def test_correct_engine_passes(tiny_engine_dir, tiny_ckpt, tiny_hf, tmp_path):
     assert report["greedy"]["modality_switches"] >= 1
 
 
-def _swap_mlp_halves(t, cfg, spec):
-    n = spec.num_shared_layers - 1  # one trunk layer
-    a, b = f"transformer.layers.{n}.mlp.fc.weight", f"transformer.layers.{n}.mlp.gate.weight"
-    t[a], t[b] = t[b], t[a]
+def _checkpoint(precision, request):
+    """The correct checkpoint a bug of this precision is seeded into."""
+    if precision == "bf16":
+        return request.getfixturevalue("tiny_ckpt")
+    return request.getfixturevalue("tiny_fp8") / "checkpoint"
 
 
-def _drop_qk_norm(t, cfg, spec):
-    for name in t:
-        if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
-            t[name] = torch.ones_like(t[name])
-
-
-BUGS = {
-    "mlp_halves_swapped": _swap_mlp_halves,
-    "qk_norm_dropped": _drop_qk_norm,
-}
-
-
-@pytest.mark.parametrize("bug", sorted(BUGS))
-def test_seeded_bug_fails_verify(bug, tiny_ckpt, tiny_hf, tmp_path):
-    bad = write_variant(tiny_ckpt, tmp_path / "ckpt", BUGS[bug])
-    engine = build_engine(bad, tmp_path / "engine")
+@pytest.mark.parametrize("bug", [b for b in BUGS if b.checkpoint and not b.refused_at_build], ids=lambda b: b.name)
+def test_seeded_checkpoint_bug_fails_verify(bug, request, tiny_hf, tmp_path):
+    bad = write_variant(_checkpoint(bug.precision, request), tmp_path / "ckpt", bug.checkpoint)
+    engine = build_engine(bad, tmp_path / "engine", precision=bug.precision)
     out = tmp_path / "verify.json"
+    out.write_text('{"passed": true}')  # a stale pass from an earlier run must not survive
     with pytest.raises(SystemExit) as e:
-        run_verify(engine, bad, tiny_hf, out, num_prompts=4, greedy_steps=16)
-    assert "verify FAILED" in str(e.value)
+        run_verify(engine, bad, tiny_hf, out, **QUICK)
+    assert str(e.value).startswith("verify FAILED: ") and "\n" not in str(e.value)
     assert not out.exists(), "a failing verify must not leave verify.json"
     report = json.loads(out.with_suffix(".failed.json").read_text())
-    assert report["passed"] is False and report["failures"]
+    assert report["passed"] is False
+    assert any(f.startswith(bug.fails) for f in report["failures"]), report["failures"]
+
+
+def evaluate_engine(engine, hf, precision: str = "bf16") -> dict:
+    """verify's core on an engine object, with verify's own prompts and thresholds."""
+    p = {**CONFIG["verify"], **QUICK}
+    spec = load_spec(hf)
+    ref = MossSpeechReference(spec, load_hf_state(hf), torch.float32, "cpu")
+    prompts = traffic.batch(p["num_prompts"], p["prompt_len"], Ids.of(spec), p["seed"])
+    return verify.evaluate(engine, ref, prompts, p["greedy_steps"], p["thresholds"][precision])
+
+
+@pytest.mark.parametrize("bug", [b for b in BUGS if b.engine], ids=lambda b: b.name)
+def test_seeded_engine_bug_fails_verify(bug, tiny_engine_dir, tiny_hf):
+    engine = load_engine(tiny_engine_dir)
+    assert evaluate_engine(engine, tiny_hf)["passed"], "the engine must pass before the fault is injected"
+    bug.engine(engine)
+    report = evaluate_engine(engine, tiny_hf)
+    assert report["passed"] is False
+    assert any(f.startswith(bug.fails) for f in report["failures"]), report["failures"]
+
+
+@pytest.mark.parametrize("bug", [b for b in BUGS if b.refused_at_build], ids=lambda b: b.name)
+def test_seeded_bug_that_cannot_load_is_refused_at_build(bug, request, tmp_path):
+    bad = write_variant(_checkpoint(bug.precision, request), tmp_path / "ckpt", bug.checkpoint)
+    with pytest.raises(InputError) as e:
+        build_engine(bad, tmp_path / "engine", precision=bug.precision)
+    assert str(e.value) == f"{bad / 'rank0.safetensors'}: {bug.refused_at_build}"
+    assert not (tmp_path / "engine").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "no temporary engine directory may be left"
 
 
 def test_engine_from_another_checkpoint_is_refused(tiny_engine_dir, tiny_ckpt, tiny_hf, tmp_path):
     other = write_variant(tiny_ckpt, tmp_path / "other", lambda t, c, s: t["lm_head.weight"][0].add_(1.0))
     with pytest.raises(InputError, match="built from checkpoint"):
         run_verify(tiny_engine_dir, other, tiny_hf, tmp_path / "verify.json")
+
+
+@pytest.mark.parametrize(
+    "thresholds, problem",
+    [
+        ({}, "no thresholds for precision 'bf16'"),
+        ({"bf16": {"top1_min": None}}, "no thresholds for precision 'bf16'"),
+        ({"bf16": {"top1_minimum": 1.0}}, "unknown threshold(s) top1_minimum for precision 'bf16'"),
+    ],
+)
+def test_missing_or_misspelt_thresholds_fail_closed(thresholds, problem):
+    with pytest.raises(InputError) as e:
+        verify.thresholds_for({"thresholds": thresholds}, "bf16")
+    assert str(e.value) == f"config: verify.thresholds: {problem}"

@@ -1,9 +1,14 @@
 """Atomic artifacts: everything is written to a temporary path beside its target and renamed
 when complete, so a killed job leaves either nothing or the old artifact, never half a new one.
+
+A temporary is named `.<name>.tmp-<pid>` (and the replaced artifact `.<name>.old-<pid>` for the
+instant between the two renames). Those a killed run left behind are removed by the next write
+of the same artifact, once their process is gone; nothing ever reads them.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -14,31 +19,73 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from workflow.errors import InputError
+
 MANIFEST = "manifest.json"
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.parent / f".{path.name}.tmp-{os.getpid()}"
+def _side_path(path: Path, kind: str, pid: int | None = None) -> Path:
+    return path.parent / f".{path.name}.{kind}-{os.getpid() if pid is None else pid}"
+
+
+def stale_temporaries(path: Path) -> list[Path]:
+    """Temporaries beside `path` left by runs whose process is gone (killed, crashed)."""
+    out = []
+    for p in path.parent.glob(f".{glob.escape(path.name)}.*-*"):
+        kind, _, pid = p.name[len(path.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+            out.append(p)
+    return sorted(out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _prepare(path: Path) -> Path:
+    """Make the parent, clear what killed runs left, and return this run's temporary path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for p in stale_temporaries(path):
+        _remove(p)
+    tmp = _side_path(path, "tmp")
+    _remove(tmp)
+    return tmp
 
 
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary directory; on success it replaces `path` in one rename."""
+    """Yield an empty temporary directory; on success it replaces `path` in one rename.
+
+    Replacing an existing directory takes two renames (old aside, new in): a kill between them
+    leaves nothing at `path` (the old one waits in `.<name>.old-<pid>` until the next run).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _prepare(path)
     tmp.mkdir()
     try:
         yield tmp
         _fsync_tree(tmp)
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        old = _side_path(path, "old")
         if path.exists():
             path.rename(old)
         tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(path.parent)
+        _remove(old)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         raise
 
 
@@ -46,13 +93,13 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary file path; on success it replaces `path` in one rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
+    tmp = _prepare(path)
     try:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -68,6 +115,15 @@ def _fsync_tree(root: Path) -> None:
         if p.is_file() and not p.is_symlink():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a power cut must not undo it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: str | Path, progress: bool = False) -> str:
@@ -105,7 +161,16 @@ def write_manifest(root: Path) -> dict:
 
 
 def read_manifest(root: str | Path) -> dict:
-    return json.loads((Path(root) / MANIFEST).read_text())
+    path = Path(root) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(path, "file is missing: not a complete artifact") from None
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), str):
+        raise InputError(path, "has no sha256: not a manifest")
+    return manifest
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

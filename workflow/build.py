@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: decode without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch backend: fuse elementwise work with torch.compile")
     args = ap.parse_args(argv)
-    check_engine_config(args.backend, args.precision, args.device, "build")
+    check_engine_config(args.backend, args.precision, args.device)
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):

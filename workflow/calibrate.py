@@ -121,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", required=True)
     ap.add_argument("--params", default="{}", help="the calibration section of the config, as JSON")
     args = ap.parse_args(argv)
+    if args.precision not in ("bf16", "fp8"):
+        raise InputError("config: engine.precision", f"unknown precision '{args.precision}'")
     _, spec, bf16 = trtckpt.load_checkpoint(args.ckpt)
     if args.precision == "bf16":
         with artifacts.atomic_dir(args.out) as tmp:
             passthrough(args.ckpt, tmp)
         print(f"bf16: passed {args.ckpt} through to {args.out}")
         return
-    if args.precision != "fp8":
-        raise InputError("config: engine.precision", f"unknown precision '{args.precision}'")
     p = json.loads(args.params)
     device, dtype = p.pop("device", "cpu"), getattr(torch, p.pop("dtype", "float32"))
     settings = dataset.CalibrationSettings(**p)

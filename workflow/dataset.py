@@ -10,6 +10,7 @@ id inside its vocabulary, every length in range.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +52,11 @@ def load_rows(s: CalibrationSettings, ids: Ids):
     if s.dataset == "synthetic":
         return datasets.Dataset.from_dict(synthetic_rows(s, ids))
     if scheme == "local":
+        if _saved_empty(Path(rest)):  # load_from_disk fails on it with a bare IndexError
+            raise InputError(rest, f"has 0 rows, calibration.num_samples needs {s.num_samples}")
         try:
             return datasets.load_from_disk(rest)
-        except Exception as e:  # datasets raises many kinds, IndexError for an empty one among them
+        except Exception as e:  # datasets raises many kinds
             raise InputError(rest, f"cannot be loaded as a save_to_disk dataset ({type(e).__name__}: {e})") from None
     if scheme == "hf":
         name, at, rev = rest.partition("@")
@@ -61,6 +64,14 @@ def load_rows(s: CalibrationSettings, ids: Ids):
             raise InputError("config: calibration.dataset", f"'{s.dataset}' has no pinned revision: write hf:{name}@<revision>")
         return datasets.load_dataset(name, revision=rev, split=s.split)
     raise InputError("config: calibration.dataset", f"unknown dataset '{s.dataset}': use synthetic, local:<dir> or hf:<id>@<rev>")
+
+
+def _saved_empty(path: Path) -> bool:
+    """A save_to_disk directory of an empty dataset: its state.json lists no data files."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def validate(ds, s: CalibrationSettings, spec: ModelSpec, source: str):
@@ -77,15 +88,16 @@ def validate(ds, s: CalibrationSettings, spec: ModelSpec, source: str):
         if not s.min_len <= len(text) <= s.max_len:
             raise InputError(source, f"row {i}: length {len(text)} outside [{s.min_len}, {s.max_len}]")
         for column, values, vocab in (("text_ids", text, spec.vocab_size), ("audio_ids", audio, spec.audio_vocab_size)):
-            bad = next((v for v in values if not 0 <= v < vocab), None)
+            bad = next((v for v in values if not (isinstance(v, int) and 0 <= v < vocab)), None)
             if bad is not None:
-                raise InputError(source, f"row {i}: {column} holds {bad}, outside the vocabulary [0, {vocab})")
+                raise InputError(source, f"row {i}: {column} holds {bad!r}, outside the vocabulary [0, {vocab})")
     return ds
 
 
 def build(s: CalibrationSettings, spec: ModelSpec, out: Path):
     """Load, validate and save_to_disk the calibration set; returns the saved dataset."""
-    ds = validate(load_rows(s, Ids.of(spec)), s, spec, s.dataset)
+    scheme, _, rest = s.dataset.partition(":")
+    ds = validate(load_rows(s, Ids.of(spec)), s, spec, rest if scheme == "local" else s.dataset)
     ds.save_to_disk(str(out))
     return ds
 

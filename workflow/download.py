@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from workflow import artifacts, synthetic
+from workflow import artifacts, synthetic, tensorfile
 from workflow.errors import InputError, run_main
 from workflow.names import hf_shapes
 from workflow.sources import Source, parse_source
@@ -34,32 +35,20 @@ def shard_map(hf_dir: Path) -> dict[str, str]:
     index = hf_dir / INDEX
     if not index.exists():
         if (hf_dir / SINGLE).exists():
-            return {name: SINGLE for name in _header(hf_dir / SINGLE)}
+            return {name: SINGLE for name in tensorfile.read_header(hf_dir / SINGLE)}
         raise InputError(hf_dir, f"neither {INDEX} nor {SINGLE} is present")
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise InputError(index, f"not a safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(index, "weight_map is not a table of tensor name -> shard file")
     for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard:
+            raise InputError(index, f"names shard '{shard}', which is not a file of this directory")
         if not (hf_dir / shard).is_file():
             raise InputError(index, f"names shard '{shard}', which is missing")
     return weight_map
-
-
-def _header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Tensor names, shapes and dtypes of one safetensors file (reads every byte's extent)."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            out = {}
-            for name in f.keys():
-                sl = f.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-            return out
-    except (SafetensorError, OSError, ValueError) as e:
-        raise InputError(path, f"not a readable safetensors file ({e})") from None
-
-
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def validate(hf_dir: str | Path, check_finite: bool = True) -> ModelSpec:
@@ -68,9 +57,9 @@ def validate(hf_dir: str | Path, check_finite: bool = True) -> ModelSpec:
     spec = load_spec(hf_dir)
     weight_map = shard_map(hf_dir)
     expected = hf_shapes(spec)
-    found: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+    found: dict[str, tuple[str, tuple[int, ...], torch.dtype | str]] = {}
     for shard in sorted(set(weight_map.values())):
-        for name, (shape, dtype) in _header(hf_dir / shard).items():
+        for name, (shape, dtype) in tensorfile.read_header(hf_dir / shard).items():
             found[name] = (shard, shape, dtype)
     for name, shard in weight_map.items():
         if name not in found:
@@ -82,17 +71,30 @@ def validate(hf_dir: str | Path, check_finite: bool = True) -> ModelSpec:
         if got != shape:
             raise InputError(hf_dir / shard, f"tensor '{name}' has shape {list(got)}, expected {list(shape)}")
         if dtype not in FLOAT_DTYPES:
-            raise InputError(hf_dir / shard, f"tensor '{name}' has dtype {dtype}, expected bfloat16/float16/float32")
+            raise InputError(hf_dir / shard, f"tensor '{name}' has dtype {_name(dtype)}, expected bfloat16/float16/float32")
     for name, (shard, _, _) in found.items():
         if name not in expected:
             raise InputError(hf_dir / shard, f"unexpected tensor '{name}'")
     if check_finite:
         for shard in tqdm(sorted(set(weight_map.values())), desc="checking weights are finite"):
-            with safe_open(hf_dir / shard, framework="pt") as f:
-                for name in f.keys():
-                    if not torch.isfinite(f.get_tensor(name)).all():
-                        raise InputError(hf_dir / shard, f"tensor '{name}' holds NaN or Inf")
+            for name, t in _tensors(hf_dir / shard):
+                if not torch.isfinite(t).all():
+                    raise InputError(hf_dir / shard, f"tensor '{name}' holds NaN or Inf")
     return spec
+
+
+def _name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensors(path: Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of one shard, one at a time."""
+    try:
+        with safe_open(path, framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except SafetensorError as e:
+        raise InputError(path, f"not a readable safetensors file ({e})") from None
 
 
 def load_hf_state(hf_dir: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -100,8 +102,7 @@ def load_hf_state(hf_dir: str | Path, device: str = "cpu") -> dict[str, torch.Te
     hf_dir = Path(hf_dir)
     state = {}
     for shard in sorted(set(shard_map(hf_dir).values())):
-        with safe_open(hf_dir / shard, framework="pt", device=device) as f:
-            state.update({name: f.get_tensor(name) for name in f.keys()})
+        state.update(_tensors(hf_dir / shard, device))
     return state
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from workflow import artifacts
+from workflow import artifacts, tensorfile
 from workflow.errors import InputError
 from workflow.names import fp8_exclude_modules, layer_plan, trt_shapes, trunk_linears
 from workflow.spec import ModelSpec
@@ -103,7 +103,7 @@ def expected_tensors(spec: ModelSpec, fp8: bool) -> dict[str, tuple[tuple[int, .
     return out
 
 
-TensorMeta = dict[str, tuple[tuple[int, ...], torch.dtype]]
+TensorMeta = dict[str, tuple[tuple[int, ...], torch.dtype | str]]
 
 
 def check_tensors(tensors: TensorMeta, spec: ModelSpec, fp8: bool, source: str) -> None:
@@ -138,17 +138,18 @@ def read_config(ckpt_dir: str | Path) -> tuple[dict, ModelSpec]:
 
 
 def load_checkpoint(ckpt_dir: str | Path, device: str = "cpu") -> tuple[dict, ModelSpec, dict[str, torch.Tensor]]:
-    """Read and check a checkpoint: config, spec and every tensor (InputError on any defect)."""
+    """Read and check a checkpoint: config, spec and every tensor (InputError on any defect).
+
+    The header is checked first (names, shapes, dtypes, size), so a bad file is refused before
+    any tensor is read."""
     cfg, spec = read_config(ckpt_dir)
     path = Path(ckpt_dir) / WEIGHTS
+    check_tensors(tensorfile.read_header(path), spec, quant_algo(cfg) == "FP8", str(path))
     try:
         with safe_open(path, framework="pt", device=device) as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except FileNotFoundError:
-        raise InputError(path, "file is missing") from None
     except (SafetensorError, OSError) as e:
         raise InputError(path, f"not a readable safetensors file ({e})") from None
-    check_tensors({k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, spec, quant_algo(cfg) == "FP8", str(path))
     return cfg, spec, tensors
 
 

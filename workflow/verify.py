@@ -1,15 +1,19 @@
 """verify: does the engine compute MOSS-Speech? Judged by the independent reference.
 
-Two checks on held-out prompts (synthetic traffic from verify's own seed, never calibration
+Three checks on held-out prompts (synthetic traffic from verify's own seed, never calibration
 rows):
-- teacher-forced: per-position logits of both heads, engine vs reference: max |diff| and
-  cosine over every position; KL(reference || engine) and top-1 agreement where generation
-  reads the head (the text head in text mode, the audio head in audio mode; audio logits over
-  the real codes only, as generation masks the padding rows);
+- teacher-forced, prefill: per-position logits of both heads, engine vs reference: max |diff|
+  and cosine over every position; KL(reference || engine) and top-1 agreement where
+  generation reads the head (the text head in text mode, the audio head in audio mode; audio
+  logits over the real codes only, as generation masks the padding rows);
+- teacher-forced, decode: the same metrics, but the second half of each prompt is fed one
+  decode step at a time, so every logit comes through the KV caches (a prefill only reads
+  keys it has just written, so it cannot see a cache shared between branches);
 - greedy: the modality-switching loop run on both for N steps; tokens must match.
 Thresholds per precision come from config. verify.json is written only when every threshold
-holds; otherwise the metrics go to verify.failed.json and the rule fails, so no benchmark
-ever runs on an engine that computes the wrong function.
+holds; otherwise the metrics go to verify.failed.json, an earlier verify.json is removed and
+the rule fails, so no benchmark ever runs on an engine that computes the wrong function.
+`evaluate` is the whole judgement on a loaded engine object; `main` only opens the files.
 """
 
 from __future__ import annotations
@@ -21,21 +25,18 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, dataset, traffic
-from workflow.download import load_hf_state
+from workflow.download import load_hf_state, validate
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.errors import InputError, run_main
 from workflow.generate import Ids, audio_mode_after, generate
 from workflow.reference import MossSpeechReference, ReferenceEngine
-from workflow.spec import load_spec
+from workflow.spec import ModelSpec
 
-# A threshold named *_min fails below its value, *_max above it; null means not checked.
-METRICS = {
-    "max_abs_diff_max": ("teacher_forced", "max_abs_diff"),
-    "cosine_min": ("teacher_forced", "cosine_min"),
-    "top1_min": ("teacher_forced", "top1"),
-    "kl_mean_max": ("teacher_forced", "kl_mean"),
-}
+# A threshold named *_min fails below its value, *_max above it; null means not checked. Each
+# applies to both teacher-forced sections.
+METRICS = {"max_abs_diff_max": "max_abs_diff", "cosine_min": "cosine_min", "top1_min": "top1", "kl_mean_max": "kl_mean"}
+TEACHER_FORCED = ("teacher_forced", "teacher_forced_decode")
 
 
 def head_metrics(ref: torch.Tensor, eng: torch.Tensor, used: torch.Tensor) -> dict:
@@ -57,21 +58,39 @@ def head_metrics(ref: torch.Tensor, eng: torch.Tensor, used: torch.Tensor) -> di
     }
 
 
-def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids) -> dict:
-    """Both heads' metrics over every position of every prompt."""
+def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids, decode: bool = False) -> dict:
+    """Both heads' metrics over every position of every prompt; with `decode`, over the
+    second half of each prompt, fed one decode step at a time after a prefill of the first."""
     n_codes = ids.eosp + 1
     acc: dict[str, list[torch.Tensor]] = {k: [] for k in ("rt", "et", "ra", "ea", "mode")}
     for chunk in prompts.split(engine.max_batch):
-        et, ea = engine.prefill(chunk, all_logits=True)
         rt, ra, _ = ref(chunk.to(ref.text_path.device))
+        mode = audio_mode_after(chunk, ids)
+        if decode:
+            start, end = chunk.shape[1] // 2, chunk.shape[1]
+            et, ea = _decode_logits(engine, chunk, start)
+            rt, ra, mode = rt[:, start - 1 : end - 1], ra[:, start - 1 : end - 1], mode[:, start - 1 : end - 1]
+        else:
+            et, ea = engine.prefill(chunk, all_logits=True)
         for k, v in (("rt", rt), ("et", et), ("ra", ra[..., :n_codes]), ("ea", ea[..., :n_codes])):
             acc[k].append(v.float().cpu().flatten(0, 1))
-        acc["mode"].append(audio_mode_after(chunk, ids).flatten().cpu())
+        acc["mode"].append(mode.flatten().cpu())
     cat = {k: torch.cat(v) for k, v in acc.items()}
     return {
         "text": head_metrics(cat["rt"], cat["et"], ~cat["mode"]),
         "audio": head_metrics(cat["ra"], cat["ea"], cat["mode"]),
     }
+
+
+def _decode_logits(engine: Engine, chunk: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits after positions start-1 .. T-2: a prefill of chunk[:, :start], then decode steps."""
+    text, audio = engine.prefill(chunk[:, :start])
+    texts, audios = [text], [audio]
+    for t in range(start, chunk.shape[1] - 1):
+        text, audio = engine.decode(chunk[:, t])
+        texts.append(text)
+        audios.append(audio)
+    return torch.stack(texts, 1), torch.stack(audios, 1)
 
 
 def greedy(engine: Engine, ref: ReferenceEngine, prompts: torch.Tensor, steps: int, ids: Ids) -> dict:
@@ -114,22 +133,77 @@ def check_held_out(prompts: torch.Tensor, calib_dir: Path) -> dict:
 
 
 def failures(report: dict, thresholds: dict) -> list[str]:
-    """Every threshold missed, as 'what: got vs limit'."""
+    """Every threshold missed, as '<section>.<head>.<metric> got vs limit'."""
     out = []
-    for key, (section, metric) in METRICS.items():
+    for key, metric in METRICS.items():
         limit = thresholds.get(key)
-        if limit is None:
-            continue
-        for head, m in report[section].items():
-            got = m[metric]
-            if (key.endswith("_min") and not got >= limit) or (key.endswith("_max") and not got <= limit):
-                out.append(f"{head} {metric} {got:.6g} vs {key} {limit}")
+        for section in TEACHER_FORCED if limit is not None else ():
+            for head, m in report[section].items():
+                got = m[metric]  # written so that NaN fails either way
+                if (key.endswith("_min") and not got >= limit) or (key.endswith("_max") and not got <= limit):
+                    out.append(f"{section}.{head}.{metric} {got:.6g} vs {key} {limit}")
     g = report["greedy"]
-    if thresholds.get("greedy_match_min") is not None and g["match_fraction"] < thresholds["greedy_match_min"]:
-        out.append(f"greedy match_fraction {g['match_fraction']:.3g} vs greedy_match_min {thresholds['greedy_match_min']}")
+    if thresholds.get("greedy_match_min") is not None and not g["match_fraction"] >= thresholds["greedy_match_min"]:
+        out.append(f"greedy.match_fraction {g['match_fraction']:.3g} vs greedy_match_min {thresholds['greedy_match_min']}")
     if thresholds.get("min_switches") is not None and g["modality_switches"] < thresholds["min_switches"]:
-        out.append(f"greedy saw {g['modality_switches']} modality switches vs min_switches {thresholds['min_switches']}")
+        out.append(f"greedy.modality_switches {g['modality_switches']} vs min_switches {thresholds['min_switches']}")
     return out
+
+
+def evaluate(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, greedy_steps: int, thresholds: dict) -> dict:
+    """The core of verify, on any engine object: metrics, failures and the verdict.
+
+    Takes a loaded engine rather than a directory so that faults which live only in a running
+    engine (a KV cache aliased between branches, say) can be injected and must be caught."""
+    ids = Ids.of(ref.spec)
+    report = {
+        "teacher_forced": teacher_forced(engine, ref, prompts, ids),
+        "teacher_forced_decode": teacher_forced(engine, ref, prompts, ids, decode=True),
+        "greedy": greedy(engine, ReferenceEngine(ref, engine.device), prompts, greedy_steps, ids),
+        "thresholds": thresholds,
+    }
+    report["failures"] = failures(report, thresholds)
+    report["passed"] = not report["failures"]
+    return report
+
+
+def thresholds_for(p: dict, precision: str) -> dict:
+    """The configured thresholds of this precision; none configured is an error, not a pass."""
+    t = p.get("thresholds", {}).get(precision)
+    if not isinstance(t, dict) or not any(v is not None for v in t.values()):
+        raise InputError("config: verify.thresholds", f"no thresholds for precision '{precision}'")
+    unknown = sorted(set(t) - {*METRICS, "greedy_match_min", "min_switches"})
+    if unknown:
+        raise InputError("config: verify.thresholds", f"unknown threshold(s) {', '.join(unknown)} for precision '{precision}'")
+    return t
+
+
+def write_report(report: dict, out: Path) -> None:
+    """verify.json only for a pass; a failure writes verify.failed.json, removes any earlier
+    verify.json (fail closed: no stale pass survives) and exits non-zero."""
+    failed_path = out.with_suffix(".failed.json")
+    if report["passed"]:
+        artifacts.write_json(out, report)
+        failed_path.unlink(missing_ok=True)
+        print(f"verify passed: {out}")
+        return
+    artifacts.write_json(failed_path, report)
+    out.unlink(missing_ok=True)
+    failed = report["failures"]
+    more = f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+    raise SystemExit(f"verify FAILED: {'; '.join(failed[:3])}{more} (all metrics in {failed_path})")
+
+
+# What the engine and the reference must share for their outputs to be compared at all. The
+# numbers conversion can get wrong (rope base, norm epsilon, weights) are for the metrics to catch.
+INTERFACE = ("vocab_size", "audio_vocab_size", "sosp_token_id", "eosp_token_id", "modality_pad_token_id")
+
+
+def check_same_interface(engine: Engine, spec: ModelSpec, hf_dir: Path) -> None:
+    for name in INTERFACE:
+        want, got = getattr(spec, name), getattr(engine.spec, name)
+        if want != got:
+            raise InputError(hf_dir / "config.json", f"{name} is {want} but the engine's is {got}: not the engine's model")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,35 +217,25 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     p = json.loads(args.params)
     meta = check_built_from(args.engine, args.ckpt)
-    precision = meta["precision"]
+    thresholds = thresholds_for(p, meta["precision"])
+    spec = validate(args.hf, check_finite=False)
     engine = load_engine(args.engine)
-    spec = load_spec(args.hf)
-    ids = Ids.of(spec)
-    ref_dtype = getattr(torch, p["reference_dtype"])
-    ref = MossSpeechReference(spec, load_hf_state(args.hf), ref_dtype, engine.device)
-    prompts = traffic.batch(p["num_prompts"], p["prompt_len"], ids, p["seed"])
+    check_same_interface(engine, spec, args.hf)
+    ref = MossSpeechReference(spec, load_hf_state(args.hf), getattr(torch, p["reference_dtype"]), engine.device)
+    prompts = traffic.batch(p["num_prompts"], p["prompt_len"], Ids.of(spec), p["seed"])
     report = {
         "engine": str(args.engine),
         "backend": meta["backend"],
-        "precision": precision,
+        "precision": meta["precision"],
         "checkpoint_sha256": meta["checkpoint"]["sha256"],
         "reference": f"transformers.Qwen3ForCausalLM, text and audio paths, {p['reference_dtype']}",
         "device": str(engine.device),
         "prompts": {"count": p["num_prompts"], "length": p["prompt_len"], "seed": p["seed"]},
         "held_out": check_held_out(prompts, args.calib_data) if args.calib_data and args.calib_data.exists() else None,
-        "teacher_forced": teacher_forced(engine, ref, prompts, ids),
-        "greedy": greedy(engine, ReferenceEngine(ref, engine.device), prompts, p["greedy_steps"], ids),
-        "thresholds": p["thresholds"][precision],
+        **evaluate(engine, ref, prompts, p["greedy_steps"], thresholds),
     }
-    failed = failures(report, report["thresholds"])
-    report["failures"] = failed
-    report["passed"] = not failed
-    print(json.dumps({k: report[k] for k in ("teacher_forced", "greedy")}, indent=2))
-    if failed:
-        artifacts.write_json(args.out.with_suffix(".failed.json"), report)
-        raise SystemExit("verify FAILED: " + "; ".join(failed))
-    artifacts.write_json(args.out, report)
-    print(f"verify passed: {args.out}")
+    print(json.dumps({k: report[k] for k in (*TEACHER_FORCED, "greedy")}, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

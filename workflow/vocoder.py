@@ -11,6 +11,7 @@ own, so the real decoder's cost can be added without touching the rest.
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,22 @@ class MelStandIn:
         return self.table[codes[:, which.clamp(0, k - 1)]].transpose(1, 2)
 
 
+def load_generator_state(path: Path) -> dict[str, torch.Tensor]:
+    """The generator's tensors from a BigVGAN .pt: weights_only=True, so a pickle that would
+    run code (or build any object but tensors and containers) is refused, not executed."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InputError(path, "file is missing") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        lines = [line.strip() for line in str(e).splitlines()]
+        why = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), type(e).__name__)
+        raise InputError(path, f"refused: not a plain tensor file ({why})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("generator"), dict):
+        raise InputError(path, "has no 'generator' state dict")
+    return state["generator"]
+
+
 def load_bigvgan(name: str, weights_dir: str | None, device: torch.device, dtype: torch.dtype, fused_kernel: bool = False):
     """BigVGAN-v2 with its weight norm removed; real weights from weights_dir if given.
 
@@ -100,9 +117,7 @@ def load_bigvgan(name: str, weights_dir: str | None, device: torch.device, dtype
     if model is None:
         fused, model = False, _build(bigvgan, AttrDict(h), False, device)
     if weights_dir:
-        path = Path(weights_dir) / "bigvgan_generator.pt"
-        state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code
-        model.load_state_dict(state["generator"])
+        model.load_state_dict(load_generator_state(Path(weights_dir) / "bigvgan_generator.pt"))
     model.remove_weight_norm()
     model = model.eval().to(device=device, dtype=dtype)
     info = VocoderInfo(

@@ -31,16 +31,24 @@ def check_engine_config(backend: str, precision: str, device: str, where: str = 
 def read_engine_json(engine_dir: str | Path) -> dict:
     path = Path(engine_dir) / ENGINE_JSON
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise InputError(path, "file is missing: not an engine directory") from None
     except json.JSONDecodeError as e:
         raise InputError(path, f"not valid JSON ({e.msg})") from None
+    return _require(meta, ("backend", "options"), path)
+
+
+def _require(meta: object, keys: tuple[str, ...], path: Path) -> dict:
+    missing = [k for k in keys if k not in meta] if isinstance(meta, dict) else list(keys)
+    if missing:
+        raise InputError(path, f"field(s) {', '.join(missing)} missing: not written by build")
+    return meta  # type: ignore[return-value]
 
 
 def check_built_from(engine_dir: str | Path, ckpt_dir: str | Path) -> dict:
     """The engine must come from this very checkpoint (manifest sha256), or InputError."""
-    meta = read_engine_json(engine_dir)
+    meta = _require(read_engine_json(engine_dir), ("precision", "checkpoint"), Path(engine_dir) / ENGINE_JSON)
     want = artifacts.read_manifest(ckpt_dir)["sha256"]
     got = meta.get("checkpoint", {}).get("sha256")
     if got != want:
