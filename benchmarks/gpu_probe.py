@@ -86,6 +86,74 @@ def micro(engine, ids, batches: tuple[int, ...] = (1,), repeat: int = 20) -> dic
     return out
 
 
+def profile(engine, ids) -> dict:
+    """Where the time goes: the top kernels of one prefill of 512 and one eager decode step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    out = {}
+    prompt = traffic.speech_prompt(1, 512, ids, seed=0)
+    step = torch.tensor([[ids.pad, 100]])
+    for name, fn in (
+        ("prefill512", lambda: engine.prefill(prompt)),
+        ("decode_eager", lambda: engine.decode(step, need_text=False)),
+    ):
+        engine.prefill(prompt)
+        engine.use_graphs = False
+        fn()
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            fn()
+            torch.cuda.synchronize()
+        engine.use_graphs = True
+        events = [e for e in p.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events)
+        top = sorted(events, key=lambda e: -e.device_time_total)[:12]
+        out[name] = {
+            "gpu_ms": total / 1e3,
+            "kernels": sum(e.count for e in events),
+            "top": [(e.key[:90], round(e.device_time_total / 1e3, 3), e.count) for e in top],
+        }
+        say(f"profile {name}: {out[name]['gpu_ms']:.2f} ms GPU time in {out[name]['kernels']} kernels")
+        for key, ms, n in out[name]["top"]:
+            say(f"    {ms:8.3f} ms  x{n:<4d} {key}")
+    return out
+
+
+def per_call_ms(fn, reps: int = 50) -> float:
+    """One call's time, from a CUDA graph of `reps` calls (no launch gaps)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return roofline.median(roofline.timed_ms(graph.replay, DEV, 10)) / reps
+
+
+def gemm_times(spec) -> dict:
+    """Each trunk matrix alone: bf16 at M=1 and 16, FP8 _scaled_mm at M=16 (the padded decode
+    step). GB/s counts the weight bytes once."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    shapes = {"qkv": (spec.qkv_size, h), "dense": (h, h), "gate_up": (2 * i, h), "proj": (h, i)}
+    one = torch.tensor([1.0], device=DEV)
+    out = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+        w8 = w.to(torch.float8_e4m3fn)
+        x1, x16 = torch.randn(1, k, device=DEV, dtype=torch.bfloat16), torch.randn(16, k, device=DEV, dtype=torch.bfloat16)
+        x8 = x16.to(torch.float8_e4m3fn)
+        row = {
+            "bf16_m1": (per_call_ms(lambda: torch.nn.functional.linear(x1, w)), 2 * n * k),  # noqa: B023
+            "bf16_m16": (per_call_ms(lambda: torch.nn.functional.linear(x16, w)), 2 * n * k),  # noqa: B023
+            "fp8_m16": (per_call_ms(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16)), n * k),  # noqa: B023
+        }
+        out[name] = {lab: {"us": 1e3 * ms, "GBps": b / ms / 1e6} for lab, (ms, b) in row.items()}
+        say(
+            f"gemm {name} {n}x{k}: " + ", ".join(f"{lab} {r['us']:.1f} us ({r['GBps']:.0f} GB/s)" for lab, r in out[name].items())
+        )
+    return out
+
+
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -96,7 +164,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--preset", default="full")
+    ap.add_argument("--variants", default="bf16 eager,bf16 graphs,bf16 compile+graphs,fp8 graphs,fp8 compile+graphs")
+    ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--profile", action="store_true", help="kernel profile of one prefill and one decode step")
+    ap.add_argument("--gemm", action="store_true", help="bare bf16 GEMV and FP8 _scaled_mm times of the trunk shapes")
     args = ap.parse_args()
+    wanted = set(args.variants.split(","))
     dtype, vocoder_name = (
         ("bfloat16", "bigvgan_v2_24khz_100band_256x") if DEV.type == "cuda" else ("float32", "reduced_24khz_100band_256x")
     )
@@ -127,11 +200,15 @@ def main() -> None:
     res["floors_ms"] = floors
     ref = MossSpeechReference(spec, hf, getattr(torch, dtype), DEV)
     prompts = traffic.batch(2, 96, ids, seed=7001)
+    if args.gemm:
+        res["gemm"] = gemm_times(spec)
     for name, graphs, compiled in (
         ("bf16 eager", False, False),
         ("bf16 graphs", True, False),
         ("bf16 compile+graphs", True, True),
     ):
+        if name not in wanted:
+            continue
         t = time.time()
         eng = TorchEngine(spec, trt, EngineOptions(DEV.type, dtype, 32, 1024, graphs, compiled))
         v = {"agreement": agreement(eng, ref, prompts, ids)}
@@ -139,6 +216,8 @@ def main() -> None:
             v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
         v |= micro(eng, ids, (1, 32) if graphs else (1,))
         v["build_and_check_s"] = time.time() - t
+        if args.profile and compiled:
+            v["profile"] = profile(eng, ids)
         res["variants"][name] = v
         say(f"{name}: {json.dumps(v)}")
         del eng
@@ -155,18 +234,22 @@ def main() -> None:
     res["fp8_calibration_s"] = time.time() - t
     say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
     for name, compiled in (("fp8 graphs", False), ("fp8 compile+graphs", True)):
+        if name not in wanted:
+            continue
         t = time.time()
         eng = TorchEngine(spec, fp8, EngineOptions(DEV.type, dtype, 32, 1024, True, compiled))
         v = {"agreement": agreement(eng, ref, prompts, ids)}
         v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
         v |= micro(eng, ids, (1, 32))
         v["build_and_check_s"] = time.time() - t
+        if args.profile and compiled:
+            v["profile"] = profile(eng, ids)
         res["variants"][name] = v
         say(f"{name}: {json.dumps(v)}")
         del eng
         free()
     # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
-    for fused in (False, True):
+    for fused in (False, True) if args.vocoder else ():
         t = time.time()
         model, info = load_bigvgan(vocoder_name, None, DEV, getattr(torch, dtype), fused_kernel=fused)
         say(f"vocoder loaded (fused requested {fused}, ran {info.fused_kernel}) in {time.time() - t:.1f} s")

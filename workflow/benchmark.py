@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -95,7 +96,10 @@ def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Id
 
 
 def commit() -> str:
-    """The git commit of the code that ran (with -dirty if it had uncommitted changes)."""
+    """The git commit of the code that ran (with -dirty if it had uncommitted changes), or
+    MOSSBUILD_COMMIT where the code runs from a copy without .git (a lent GPU machine)."""
+    if os.environ.get("MOSSBUILD_COMMIT"):
+        return os.environ["MOSSBUILD_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()

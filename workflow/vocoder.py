@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from workflow.cudagraphs import Graphs
 from workflow.errors import InputError
 
 SECONDS_PER_TOKEN = 0.08  # 12.5 audio tokens per second
@@ -158,25 +159,13 @@ class Graphed:
 
     def __init__(self, module: torch.nn.Module, device: torch.device):
         self.module, self.device = module, device
-        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs, self.inputs = Graphs(device), {}
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.module(x)
         key = tuple(x.shape)
-        if key not in self.graphs:
-            static = x.clone()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.module(static)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.module(static)
-            self.graphs[key] = (graph, static, out)
-        graph, static, out = self.graphs[key]
+        static = self.inputs.setdefault(key, torch.empty_like(x))
         static.copy_(x)
-        graph.replay()
-        return out.clone()
+        return self.graphs.run(key, lambda: self.module(static)).clone()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow import fp8, trtckpt
+from workflow.cudagraphs import Graphs
 from workflow.engines.base import Engine, merged_ids
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
@@ -51,11 +52,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: tuple[torch.Tensor, ...] | None
+) -> torch.Tensor:
     """x @ w^T, three ways. bf16: a_scale None. FP8 emulated exactly (CPU): w is the dequantized
     weight and x is rounded through FP8 with a_scale. FP8 on CUDA: torch._scaled_mm over x
-    rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM wants that); w_scale is
-    one scale, or one per output row where two checkpoint tensors were fused (fc|gate)."""
+    rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM wants that). w_scale
+    holds one scale tensor per part of w's rows: two where two checkpoint tensors were fused
+    (fc|gate), each keeping its own scale (one GEMM per part: a row-wise-scaled GEMM is slower;
+    separate tensors: cuBLASLt wants each scale's address aligned, which a slice is not)."""
     if a_scale is None:
         return F.linear(x, w)
     if w_scale is None:
@@ -63,11 +68,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sca
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
     m, pad = x.shape[0], -x.shape[0] % 16
     xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, a_scale)
-    if w_scale.numel() == 1:
-        y = torch._scaled_mm(xq, w.t(), scale_a=a_scale, scale_b=w_scale.reshape(1), out_dtype=x.dtype)
-    else:  # row-wise scales: scale_a [M, 1], scale_b [1, N]
-        scale_a = a_scale.expand(m + pad, 1).contiguous()
-        y = torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=w_scale.reshape(1, -1), out_dtype=x.dtype)
+    parts = [
+        torch._scaled_mm(xq, part.t(), scale_a=a_scale, scale_b=scale, out_dtype=x.dtype)
+        for part, scale in zip(w.chunk(len(w_scale)), w_scale, strict=True)
+    ]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y[:m].reshape(*shape[:-1], -1)
 
 
@@ -86,19 +91,25 @@ class Linear(nn.Module):
 
 
 class Fp8Linear(Linear):
-    """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`)."""
+    """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`);
+    w_scale has one entry per part of the rows (fc|gate: two)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype):
         nn.Module.__init__(self)
         self.register_buffer("weight", weight)
-        self.register_buffer("w_scale", w_scale.float().reshape(-1, 1))
+        self.register_buffer("w_scale", w_scale.float().reshape(-1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
-        self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.w_scale).to(dtype))
+        self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.row_scale()).to(dtype))
+        self.part_scales = tuple(s.clone().reshape(1) for s in self.w_scale)
+
+    def row_scale(self) -> torch.Tensor:
+        """[N, 1]: each output row's weight scale."""
+        return self.w_scale.repeat_interleave(self.weight.shape[0] // self.w_scale.numel())[:, None]
 
     def args(self) -> tuple:
         if self.w_deq is not None:
             return (self.w_deq, self.a_scale, None)
-        return (self.weight, self.a_scale, self.w_scale)
+        return (self.weight, self.a_scale, self.part_scales)
 
 
 def layer_step(
@@ -188,8 +199,7 @@ def _linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, 
 
     out = {n: Fp8Linear(weight(n), *scales(n), dtype) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
     (w_fc, a_fc), (w_gate, a_gate) = scales("mlp.fc"), scales("mlp.gate")
-    rows = tensors[f"{prefix}mlp.fc.weight"].shape[0]
-    w_scale = torch.cat([w_fc.expand(rows), w_gate.expand(rows)])
+    w_scale = torch.cat([w_fc.reshape(1), w_gate.reshape(1)])
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
     gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
@@ -210,7 +220,9 @@ class TorchEngine(Engine, nn.Module):
         def t(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dt)
 
-        step = torch.compile(layer_step, dynamic=None, fullgraph=True) if options.compile else layer_step
+        if options.compile:  # static shapes: a recompile per (batch, length) beats slower dynamic kernels
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        step = torch.compile(layer_step, dynamic=False, fullgraph=True) if options.compile else layer_step
         self.embedding = t("transformer.vocab_embedding.weight")
         norm_names = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
         self.layers = nn.ModuleList(
@@ -233,14 +245,15 @@ class TorchEngine(Engine, nn.Module):
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
         self.cos, self.sin = angles.cos(), angles.sin()
+        self.positions = torch.arange(options.max_seq_len, device=dev)  # persistent: graphs read it
         for layer in self.layers:
             layer.setup_cache(options.max_batch, options.max_seq_len, dt, self.device)
         self.batch = 0
         self.length = 0  # host-side count of cached positions (no device sync needed)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # device-side: the next position
-        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
-        self.static_ids = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)
+        self.graphs = Graphs(self.device) if self.use_graphs else None
+        self.static_ids: dict[tuple[int, int], torch.Tensor] = {}  # (batch, tokens) -> input buffer
 
     def forward_ids(
         self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None
@@ -271,7 +284,7 @@ class TorchEngine(Engine, nn.Module):
         self.batch, self.length = b, t
         self.pos.fill_(t)
         ids = merged_ids(tokens.to(self.device), self.spec)
-        text, audio = self.forward_ids(ids, torch.arange(t, device=self.device), True, all_logits, None)
+        text, audio = self._step(ids, self.positions[:t], True, all_logits, None)
         assert text is not None
         return text, audio
 
@@ -284,38 +297,20 @@ class TorchEngine(Engine, nn.Module):
             raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
         kv_len = min(self.max_seq_len, -(-(self.length + 1) // KV_BUCKET) * KV_BUCKET)
         ids = merged_ids(tokens.to(self.device), self.spec)[:, None]
-        if self.use_graphs:
-            out = self._replay(ids, need_text, kv_len)
-        else:
-            out = self.forward_ids(ids, self.pos, need_text, False, kv_len)
+        out = self._step(ids, self.pos, need_text, False, kv_len)
         self.pos += 1
         self.length += 1
         return out
 
-    def _replay(self, ids: torch.Tensor, need_text: bool, kv_len: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The decode step from a CUDA graph, captured on first use of its (batch, head, bucket)."""
-        b = ids.shape[0]
-        self.static_ids[:b].copy_(ids)
-        key = (b, need_text, kv_len)
-        if key not in self.graphs:
-            # warm up off the capture (it writes this step's K/V, as the replay will again)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.forward_ids(self.static_ids[:b], self.pos, need_text, False, kv_len)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graphs_pool()):
-                out = self.forward_ids(self.static_ids[:b], self.pos, need_text, False, kv_len)
-            self.graphs[key] = (graph, out)
-        graph, (text, audio) = self.graphs[key]
-        graph.replay()
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None):
+        """forward_ids, replayed on CUDA from a graph per (shape, text head, bucket)."""
+        if not self.use_graphs:
+            return self.forward_ids(ids, pos, need_text, all_logits, kv_len)
+        static = self.static_ids.setdefault(tuple(ids.shape), torch.empty_like(ids))
+        static.copy_(ids)
+        key = (tuple(ids.shape), need_text, all_logits, kv_len)
+        text, audio = self.graphs.run(key, lambda: self.forward_ids(static, pos, need_text, all_logits, kv_len))
         return (None if text is None else text.clone()), audio.clone()
-
-    def graphs_pool(self):
-        if not hasattr(self, "_pool"):
-            self._pool = torch.cuda.graph_pool_handle()
-        return self._pool
 
 
 def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TorchEngine:
