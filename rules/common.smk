@@ -49,9 +49,9 @@ VARIANT = f"{RESULTS}/{BACKEND}-{PRECISION}"
 
 # Each rule's shell runs `python -m workflow.<stage>` with this repository on PYTHONPATH. The
 # python is the one running snakemake (its bin dir first on PATH, so an unactivated venv works),
-# unless --sdm conda gives each rule its own environment (envs/mossbuild.yaml).
-# Each rule's shell sends stdout to its log, and stderr (progress bars, the one-line error) to
-# the log and to the terminal: `> {log} 2> >(tee -a {log} >&2)`.
+# unless --sdm conda gives each rule its own environment (envs/mossbuild.yaml). It sends stdout
+# to the rule's log, and stderr (progress bars, the one-line error) to the log and to the
+# terminal: `> {log} 2> >(tee -a {log} >&2)`.
 PYBIN = (
     ""
     if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
@@ -87,12 +87,8 @@ def code(module):
         path = ROOT.joinpath(*parts).with_suffix(".py")
         if not path.exists():
             path = ROOT.joinpath(*parts, "__init__.py")
-        if (
-            not path.exists()
-            or called.get(path) is True
-            or (path in called and not calls)
-        ):
-            continue
+        if not path.exists() or (path in called and (called[path] or not calls)):
+            continue  # none, or seen already and this import adds nothing
         called[path] = calls
         todo += [(".".join(parts[:i]), False) for i in range(1, len(parts))]
         for node in imports(ast.parse(path.read_text()), calls):

@@ -1,7 +1,9 @@
 """A real single-node SLURM for the tests: munged, slurmctld and slurmd (Debian's slurm-wlm and
 munge) started by hand in the foreground, no systemd, every file under one scratch directory.
 
-Nothing outside that directory is touched: slurm.conf lives there and SLURM_CONF points at it.
+Nothing outside it is touched but munged's socket directory (munged wants every directory above
+its socket open to all, which pytest's are not): a fresh one under /tmp, removed by `stop()`.
+slurm.conf lives in the scratch directory and SLURM_CONF points at it.
 The executor plugin's inner srun runs with every SLURM_* variable stripped, so `bin/srun` puts
 SLURM_CONF back; `bin/sbatch` records each sbatch command line before running the real one.
 Put `bin` first on PATH (`Cluster.env()`). `stop()` cancels every job and ends each daemon by PID.
@@ -14,6 +16,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +55,7 @@ class Cluster:
     root: Path
     node: str = ""
     procs: list[subprocess.Popen] = field(default_factory=list)
+    socket_dir: Path | None = None
 
     @property
     def conf(self) -> Path:
@@ -82,11 +86,12 @@ class Cluster:
         r = self.root
         for d in ("munge", "state", "spool", "log", "bin"):
             (r / d).mkdir(parents=True, exist_ok=True)
-        (r / "munge").chmod(0o755)  # munged refuses a socket directory others cannot enter
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        sock = r / "munge" / "munge.socket"
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="mossbuild-munge-"))
+        self.socket_dir.chmod(0o755)
+        sock = self.socket_dir / "munge.socket"
         self.spawn(
             "munged", "--foreground", f"--key-file={key}", f"--socket={sock}", f"--pid-file={r / 'munge' / 'munged.pid'}",
             f"--log-file={r / 'log' / 'munged.log'}", f"--seed-file={r / 'munge' / 'munged.seed'}",
@@ -174,3 +179,5 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -79,22 +79,22 @@ def test_each_rule_runs_as_its_own_slurm_job_with_its_resources(slurm_chain, cap
     with capsys.disabled():
         print("\nsbatch lines seen:", *lines, sep="\n  ")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert json.loads((workdir / "results/tiny/torch-bf16/verify.json").read_text())["passed"] is True
+    verify = json.loads((workdir / "results/tiny/torch-bf16/verify.json").read_text())
+    assert verify["passed"] is True and verify["device"] == "cpu"  # a GPU asked for, the CPU computing
 
     # one sbatch per stage; `all` and `pages` run on the submitting machine
     assert sorted(rule_of(line) for line in lines) == sorted(STAGES)
     for line in lines:
         want = CONFIG["resources"]["default"] | CONFIG["resources"].get(rule_of(line), {})
-        args = line.split()
-        assert f"-p {PARTITION}" in line and f"-t {want['runtime']}" in line and f"--mem {want['mem_mb']}" in line, line
-        if want.get("gpu"):
-            assert f"--gpus={want['gpu']}" in args and f"--cpus-per-gpu={want['threads']}" in args, line
-        else:
-            assert not [a for a in args if a.startswith("--gpus")] and f"--cpus-per-task={want['threads']}" in args, line
+        options = line.split(" --wrap=")[0]
+        assert f" -p {PARTITION} -t {want['runtime']} --mem {want['mem_mb']} " in options, line
+        assert f" --cpus-per-task={want['threads']} " in options, line
+        assert re.findall(r" --gpus=\S+", options) == ([f" --gpus={want['gpu']}"] if "gpu" in want else []), line
 
     # and slurmctld ran each of them, with the fake GPU for verify only
     by_rule = {j["Comment"].removeprefix("rule_"): j for j in jobs}
     assert sorted(by_rule) == sorted(STAGES), jobs
     for rule, job in by_rule.items():
         assert job["JobState"] == "COMPLETED" and job["Partition"] == PARTITION, job
+        assert job["NumCPUs"] == str(CONFIG["resources"]["default"]["threads"]), job
         assert job.get("TresPerJob", "") == ("gres:gpu:1" if rule == "verify" else ""), job
