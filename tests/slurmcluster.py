@@ -128,7 +128,7 @@ class Cluster:
                 "SelectTypeParameters=CR_Core_Memory",
                 "MpiDefault=none",
                 "ReturnToService=2",
-                "MinJobAge=300",  # >= 120: finished jobs stay visible to squeue-based status checks
+                "MinJobAge=3600",  # finished jobs stay visible: to squeue status checks (>= 120), to the test
                 "GresTypes=gpu",
                 f"{hw} NodeAddr=127.0.0.1 Gres=gpu:fake:1 State=UNKNOWN",
                 f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",

@@ -227,12 +227,12 @@ def test_a_new_checkpoint_in_a_local_directory_reruns_download_and_what_follows(
     source = tmp_path / "moss"
     write_checkpoint(source, seed=0)
     wf = Workflow(ROOT, tmp_path / "work")
-    config, target = ["--config", f"model={{source: 'local:{source}'}}"], "results/local-moss/ckpt-bf16"
-    r = wf.run("-c2", *config, target)
+    args = ["results/local-moss/ckpt-bf16", "--config", f"model={{source: 'local:{source}'}}"]
+    r = wf.run("-c2", *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert wf.planned(*config, target) == set()
+    assert wf.planned(*args) == set()
 
     write_checkpoint(tmp_path / "new", seed=1)  # new weights, copied over the old files
     for f in (tmp_path / "new").glob("*.safetensors"):
         shutil.copy(f, source / f.name)
-    assert wf.planned(*config, target) == {"download", "convert"}
+    assert wf.planned(*args) == {"download", "convert"}
