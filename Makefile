@@ -15,12 +15,13 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/snakemake -c$(CORES)
+	$(VENV)/bin/snakemake -c$(CORES) --workflow-profile profiles/local
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/snakefmt --check Snakefile rules/
+	$(VENV)/bin/snakemake --lint
 
 test: lint
 	$(PY) -m pytest -q

@@ -1,8 +1,7 @@
 # mossbuild: MOSS-Speech -> a verified (optionally FP8) engine -> an honest streaming benchmark.
 # Each stage is one rule file in rules/ that calls one module of workflow/.
 
-import yaml
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -10,22 +9,7 @@ min_version("9.0")
 configfile: workflow.source_path("config/config.yaml")
 
 
-def typed(value):
-    """Nested --config values arrive as strings ('64'): read each scalar as YAML would."""
-    if isinstance(value, dict):
-        return {k: typed(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [typed(v) for v in value]
-    if isinstance(value, str):
-        parsed = yaml.safe_load(value) if value.strip() else value
-        return parsed if isinstance(parsed, (int, float, bool, type(None))) else value
-    return value
-
-
-config.update(typed(config))
-
-
-validate(config, "config/config.schema.yaml")
+report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
@@ -35,6 +19,12 @@ include: "rules/calibrate.smk"
 include: "rules/build.smk"
 include: "rules/verify.smk"
 include: "rules/benchmark.smk"
+include: "rules/pages.smk"
+
+
+localrules:
+    all,
+    pages,
 
 
 rule all:
@@ -42,3 +32,5 @@ rule all:
     input:
         f"{VARIANT}/verify.json",
         f"{VARIANT}/benchmark",
+        f"{VARIANT}/report/verify.html",
+        f"{VARIANT}/report/benchmark.html",

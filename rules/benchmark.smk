@@ -6,11 +6,19 @@ rule benchmark:
         hf=f"{RESULTS}/hf",
         code=code("benchmark"),
     output:
-        directory(f"{VARIANT}/benchmark"),
+        report(
+            directory(f"{VARIANT}/benchmark"),
+            patterns=["{name}.png"],
+            caption="../report/plot.rst",
+            category="benchmark",
+        ),
     log:
         f"{VARIANT}/logs/benchmark.log",
     benchmark:
         f"{VARIANT}/benchmarks/benchmark.tsv"
+    conda:
+        "../envs/mossbuild.yaml"
+    threads: threads_of("benchmark")
     resources:
         **res("benchmark"),
     params:
@@ -21,4 +29,4 @@ rule benchmark:
             | ({"calibration": config["calibration"]} if PRECISION == "fp8" else {})
         ),
     shell:
-        "{PY} -m workflow.benchmark --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --params {params.p:q} --config-json {params.config:q} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "python -m workflow.benchmark --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --params {params.p:q} --config-json {params.config:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

@@ -8,6 +8,9 @@ rule build:
         f"{VARIANT}/logs/build.log",
     benchmark:
         f"{VARIANT}/benchmarks/build.tsv"
+    conda:
+        "../envs/mossbuild.yaml"
+    threads: threads_of("build")
     resources:
         **res("build"),
     params:
@@ -15,6 +18,6 @@ rule build:
         flags=("--compile " if config["engine"]["compile"] else "")
         + ("" if config["engine"]["cuda_graphs"] else "--no-cuda-graphs"),
     shell:
-        "{PY} -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"
+        "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"
         " --device {params.e[device]} --dtype {params.e[dtype]} --max-batch {params.e[max_batch]} --max-seq-len {params.e[max_seq_len]} {params.flags}"
         " --out {output} > {log} 2> >(tee -a {log} >&2)"

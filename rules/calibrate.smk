@@ -9,6 +9,9 @@ rule calibrate:
         f"{RESULTS}/logs/calibrate-{PRECISION}.log",
     benchmark:
         f"{RESULTS}/benchmarks/calibrate-{PRECISION}.tsv"
+    conda:
+        "../envs/mossbuild.yaml"
+    threads: threads_of("calibrate")
     resources:
         **res("calibrate"),
     params:
@@ -16,4 +19,4 @@ rule calibrate:
         # bf16 passes the checkpoint through: calibration settings must not rerun it
         p=as_json(config["calibration"] if PRECISION == "fp8" else {}),
     shell:
-        "{PY} -m workflow.calibrate --ckpt {input.ckpt} --hf {input.hf} --precision {params.precision} --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "python -m workflow.calibrate --ckpt {input.ckpt} --hf {input.hf} --precision {params.precision} --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

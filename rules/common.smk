@@ -1,21 +1,37 @@
-# Paths, code tracking and small helpers shared by every rule file.
+# Config, paths, code tracking, resources and small helpers shared by every rule file.
+# Imports stay light (no torch): this file is read on every start, and by every SLURM job.
 
 import ast
 import json
-import os
-import shlex
 import sys
 from pathlib import Path
 
+import yaml
+from snakemake.settings.types import DeploymentMethod
+from snakemake.utils import validate
+
 ROOT = Path(workflow.basedir).resolve()
 sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
-)
 
 from workflow.engines import check_engine_config  # noqa: E402  (pure Python, no torch)
 from workflow.errors import InputError  # noqa: E402
 from workflow.sources import parse_source  # noqa: E402
+
+
+def typed(value):
+    """Nested --config values arrive as strings ('64'): read each scalar as YAML would."""
+    if isinstance(value, dict):
+        return {k: typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    if isinstance(value, str):
+        parsed = yaml.safe_load(value) if value.strip() else value
+        return parsed if isinstance(parsed, (int, float, bool, type(None))) else value
+    return value
+
+
+config.update(typed(config))
+validate(config, "../config/config.schema.yaml")
 
 try:
     SOURCE = parse_source(config["model"]["source"])
@@ -30,53 +46,111 @@ except InputError as e:
 BACKEND, PRECISION = config["engine"]["backend"], config["engine"]["precision"]
 RESULTS = f"results/{SOURCE.tag}"
 VARIANT = f"{RESULTS}/{BACKEND}-{PRECISION}"
-PY = shlex.quote(sys.executable)
-# Each rule's shell sends stdout to its log, and stderr (progress bars, the one-line error) to
-# the log and to the terminal: `> {log} 2> >(tee -a {log} >&2)`.
+
+# Each rule's shell runs `python -m workflow.<stage>` with this repository on PYTHONPATH. The
+# python is the one running snakemake (its bin dir first on PATH, so an unactivated venv works),
+# unless --sdm conda gives each rule its own environment (envs/mossbuild.yaml). It sends stdout
+# to the rule's log, and stderr (progress bars, the one-line error) to the log and to the
+# terminal: `> {log} 2> >(tee -a {log} >&2)`.
+PYBIN = (
+    ""
+    if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
+    else str(Path(sys.executable).parent)
+)
+shell.prefix(
+    "set -euo pipefail; export PYTHONPATH={ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; "
+    + ("export PATH={PYBIN:q}:$PATH; " if PYBIN else "")
+)
+
+# The device each rule computes on (from config). On cuda it asks for a GPU, on the CPU for none.
+DEVICE = {
+    "download": config["model"]["device"],
+    "convert": "cpu",
+    "calibrate": config["calibration"]["device"] if PRECISION == "fp8" else "cpu",
+    "build": config["engine"]["device"],
+    "verify": config["engine"]["device"],
+    "benchmark": config["engine"]["device"],
+    "pages": "cpu",
+}
 
 
 def code(module):
-    """workflow/<module>.py and every workflow module it imports, transitively: inputs of the
-    rule that runs it, so that editing any of them reruns that rule and what follows.
-    Imports under `if TYPE_CHECKING:` are types only and are not followed."""
-    seen, todo = set(), [f"workflow.{module}"]
+    """workflow/<module>.py and every workflow module it may run, transitively: inputs of the
+    rule that runs it, so that editing any of them reruns that rule and what follows. A package
+    loaded only as the parent of a submodule counts with what it imports when loaded, not with
+    what its functions import (the rule never calls them)."""
+    called = {}  # path -> whether the rule may call its functions
+    todo = [(f"workflow.{module}", True)]
     while todo:
-        name = todo.pop()
+        name, calls = todo.pop()
         parts = name.split(".")
         path = ROOT.joinpath(*parts).with_suffix(".py")
         if not path.exists():
             path = ROOT.joinpath(*parts, "__init__.py")
-        if not path.exists() or path in seen:
-            continue
-        seen.add(path)
-        for i in range(1, len(parts)):
-            todo.append(".".join(parts[:i]))
-        todo += _imports(ast.parse(path.read_text()))
-    return sorted(str(p) for p in seen)
+        if not path.exists() or (path in called and (called[path] or not calls)):
+            continue  # none, or seen already and this import adds nothing
+        called[path] = calls
+        todo += [(".".join(parts[:i]), False) for i in range(1, len(parts))]
+        for node in imports(ast.parse(path.read_text()), calls):
+            if isinstance(node, ast.Import):
+                todo += [
+                    (a.name, True) for a in node.names if a.name.startswith("workflow")
+                ]
+            elif (node.module or "").startswith("workflow"):
+                todo.append((node.module, True))
+                todo += [(f"{node.module}.{a.name}", True) for a in node.names]
+    return sorted(str(p) for p in called)
 
 
-def _imports(tree):
-    """Names of workflow modules imported anywhere in tree, type-only blocks excepted."""
-    out = []
-    for node in ast.iter_child_nodes(tree):
+def imports(tree, in_functions):
+    """The import statements of a module, those inside its functions only if in_functions;
+    never those under `if TYPE_CHECKING:` (types only, nothing runs)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
         if (
             isinstance(node, ast.If)
             and getattr(node.test, "id", None) == "TYPE_CHECKING"
         ):
             continue
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names if a.name.startswith("workflow")]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "workflow"
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if in_functions or not isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef)
         ):
-            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        out += _imports(node)
-    return out
+            todo += ast.iter_child_nodes(node)
+
+
+def source_files():
+    """A local checkpoint's files: inputs of download, so that a new checkpoint in that
+    directory reruns download and everything after it."""
+    if SOURCE.kind != "local":
+        return []
+    return sorted(str(p) for p in Path(SOURCE.value).rglob("*") if p.is_file())
+
+
+def settings(rule):
+    """`resources.<rule>` over `resources.default` from config."""
+    return {**config["resources"]["default"], **config["resources"].get(rule, {})}
+
+
+def threads_of(rule):
+    return settings(rule)["threads"]
 
 
 def res(rule):
-    """The rule's resources from config (`resources.<rule>` over `resources.default`)."""
-    return {**config["resources"]["default"], **config["resources"].get(rule, {})}
+    """The rule's SLURM/local resources: memory, runtime, GPUs (and partition, account, GPU
+    model where config names them). `gpu` follows the rule's device unless config sets it;
+    gpu 0 for a rule on cuda is refused (never a quiet fallback to the CPU)."""
+    r = {k: v for k, v in settings(rule).items() if k != "threads"}
+    r.setdefault("gpu", 1 if DEVICE[rule] == "cuda" else 0)
+    if DEVICE[rule] == "cuda" and r["gpu"] < 1:
+        raise WorkflowError(
+            f"config: resources.{rule}.gpu is 0 but rule {rule} runs on cuda"
+        )
+    if r["gpu"] == 0:
+        r.pop("gpu_model", None)
+    return r
 
 
 def as_json(obj):

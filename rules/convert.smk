@@ -8,7 +8,10 @@ rule convert:
         f"{RESULTS}/logs/convert.log",
     benchmark:
         f"{RESULTS}/benchmarks/convert.tsv"
+    conda:
+        "../envs/mossbuild.yaml"
+    threads: threads_of("convert")
     resources:
         **res("convert"),
     shell:
-        "{PY} -m workflow.convert --hf {input.hf} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "python -m workflow.convert --hf {input.hf} --out {output} > {log} 2> >(tee -a {log} >&2)"

@@ -1,5 +1,6 @@
 rule download:
     input:
+        local=source_files(),
         code=code("download"),
     output:
         directory(f"{RESULTS}/hf"),
@@ -7,6 +8,9 @@ rule download:
         f"{RESULTS}/logs/download.log",
     benchmark:
         f"{RESULTS}/benchmarks/download.tsv"
+    conda:
+        "../envs/mossbuild.yaml"
+    threads: threads_of("download")
     resources:
         **res("download"),
     params:
@@ -15,4 +19,4 @@ rule download:
         device=config["model"]["device"],
         finite="" if config["model"]["check_finite"] else "--no-finite-check",
     shell:
-        "{PY} -m workflow.download --source {params.source:q} --seed {params.seed} --device {params.device} {params.finite} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "python -m workflow.download --source {params.source:q} --seed {params.seed} --device {params.device} {params.finite} --out {output} > {log} 2> >(tee -a {log} >&2)"

@@ -10,9 +10,12 @@ rule verify:
         f"{VARIANT}/logs/verify.log",
     benchmark:
         f"{VARIANT}/benchmarks/verify.tsv"
+    conda:
+        "../envs/mossbuild.yaml"
+    threads: threads_of("verify")
     resources:
         **res("verify"),
     params:
         p=as_json(config["verify"]),
     shell:
-        "{PY} -m workflow.verify --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --calib-data {input.calib}/dataset --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "python -m workflow.verify --engine {input.engine} --ckpt {input.calib}/checkpoint --hf {input.hf} --calib-data {input.calib}/dataset --params {params.p:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

@@ -1,82 +1,238 @@
-"""The Snakemake workflow end to end on the embedded default, in a scratch directory."""
+"""The Snakemake workflow end to end on the embedded default, in a scratch directory: what runs,
+what reruns after each kind of change, the resources each rule asks for, and the report."""
+
+from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
 ROOT = Path(__file__).resolve().parents[1]
+STAGES = {"download", "convert", "calibrate", "build", "verify", "benchmark"}
+EVERYTHING = STAGES | {"pages", "all"}
 
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(workdir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+@dataclass
+class Workflow:
+    repo: Path  # whose Snakefile (and workflow/ code) runs
+    workdir: Path
+
+    def run(self, *args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "snakemake", "-s", str(self.repo / "Snakefile"), "-d", str(self.workdir), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+
+    def planned(self, *args: str) -> set[str]:
+        """The rules `snakemake -n` would run."""
+        r = self.run("-n", *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return set(re.findall(r"^(?:local)?rule (\w+):", r.stdout, flags=re.M))
+
+    def resources(self, *args: str) -> dict[str, dict[str, str]]:
+        """Each planned rule's threads and resources, as `snakemake -n` prints them (with cores
+        enough that no rule's threads are capped to this machine's)."""
+        r = self.run("-n", "-c64", *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = {}
+        for block in re.split(r"^(?=(?:local)?rule )", r.stdout, flags=re.M)[1:]:
+            rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
+            res = re.search(r"^    resources: (.*)$", block, flags=re.M).group(1)
+            threads = re.search(r"^    threads: (\d+)$", block, flags=re.M)
+            out[rule] = dict(kv.split("=", 1) for kv in res.split(", ")) | {"threads": threads.group(1) if threads else "1"}
+        return out
 
 
-def planned(workdir: Path, *args: str) -> set[str]:
-    """The rules `snakemake -n` would run."""
-    r = snakemake(workdir, "-n", *args)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return set(re.findall(r"^(?:local)?rule (\w+):", r.stdout, flags=re.M))
+def copy_repo(dest: Path) -> Path:
+    """The workflow's files without caches and results: code in it may be edited by a test."""
+    junk = shutil.ignore_patterns(".git", ".venv", ".snakemake", "results", "logs", "__pycache__", "*_cache", ".whl", ".gpu")
+    shutil.copytree(ROOT, dest, ignore=junk)
+    return dest
 
 
 def test_dry_run_lists_every_stage(tmp_path):
-    r = snakemake(tmp_path, "-n")
-    assert r.returncode == 0, r.stderr
-    for rule in ("download", "convert", "calibrate", "build", "verify", "benchmark"):
-        assert f"rule {rule}:" in r.stdout, rule
+    assert Workflow(ROOT, tmp_path).planned() == EVERYTHING
 
 
 def test_bad_source_fails_before_any_job(tmp_path):
-    r = snakemake(tmp_path, "-n", "--config", "model={source: ftp://x}")
+    r = Workflow(ROOT, tmp_path).run("-n", "--config", "model={source: ftp://x}")
     assert r.returncode != 0
     assert "unknown source 'ftp://x'" in r.stdout + r.stderr
 
 
+# --- resources -----------------------------------------------------------------------------
+
+
+def test_on_the_cpu_no_rule_asks_for_a_gpu(tmp_path):
+    res = Workflow(ROOT, tmp_path).resources()
+    assert {rule: r["gpu"] for rule, r in res.items() if rule != "all"} == dict.fromkeys(STAGES | {"pages"}, "0")
+    assert res["build"]["mem_mb"] == "4000" and res["build"]["runtime"] == "30" and res["build"]["threads"] == "2"
+
+
+def test_threads_memory_and_runtime_come_from_config_per_rule(tmp_path):
+    res = Workflow(ROOT, tmp_path).resources("--config", "resources={benchmark: {threads: 8, mem_mb: 9000, runtime: 90}}")
+    assert (res["benchmark"]["threads"], res["benchmark"]["mem_mb"], res["benchmark"]["runtime"]) == ("8", "9000", "90")
+    assert (res["verify"]["threads"], res["verify"]["mem_mb"], res["verify"]["runtime"]) == ("2", "4000", "30")
+
+
+def test_a_rule_on_cuda_asks_for_one_gpu_and_the_site_settings(tmp_path):
+    site = "resources={default: {slurm_partition: gpu, slurm_account: lab, gpu_model: h100}, verify: {mem_mb: 64000}}"
+    res = Workflow(ROOT, tmp_path).resources("--config", "engine={device: cuda, dtype: bfloat16}", site)
+    on_cuda = {"build", "verify", "benchmark"}
+    assert {rule for rule, r in res.items() if r.get("gpu") == "1"} == on_cuda
+    for rule in STAGES:
+        assert res[rule]["slurm_partition"] == "gpu" and res[rule]["slurm_account"] == "lab"
+        assert res[rule].get("gpu_model") == ("h100" if rule in on_cuda else None), rule
+    assert res["verify"]["mem_mb"] == "64000" and res["build"]["mem_mb"] == "4000"
+
+
+def test_fp8_calibration_on_cuda_asks_for_a_gpu_and_bf16_passthrough_does_not(tmp_path):
+    cuda = "calibration={device: cuda, dtype: bfloat16}"
+    assert Workflow(ROOT, tmp_path).resources("--config", "engine={precision: fp8}", cuda)["calibrate"]["gpu"] == "1"
+    assert Workflow(ROOT, tmp_path).resources("--config", cuda)["calibrate"]["gpu"] == "0"
+
+
+def test_a_rule_on_cuda_told_zero_gpus_is_refused(tmp_path):
+    r = Workflow(ROOT, tmp_path).run("-n", "--config", "engine={device: cuda}", "resources={build: {gpu: 0}}")
+    assert r.returncode != 0
+    assert "resources.build.gpu is 0 but rule build runs on cuda" in r.stdout + r.stderr
+
+
+def test_unknown_rule_in_resources_is_refused(tmp_path):
+    r = Workflow(ROOT, tmp_path).run("-n", "--config", "resources={biuld: {mem_mb: 100}}")
+    assert r.returncode != 0
+    assert "biuld" in r.stdout + r.stderr
+
+
+# --- the whole chain, then what reruns -----------------------------------------------------
+
+
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("chain")
-    r = snakemake(workdir, "-c2")
+def chain(tmp_path_factory) -> Workflow:
+    """The whole chain, run from a scratch copy of the repository (tests edit its code)."""
+    wf = Workflow(copy_repo(tmp_path_factory.mktemp("repo") / "mossbuild"), tmp_path_factory.mktemp("chain"))
+    r = wf.run("-c2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return workdir
+    return wf
 
 
 def test_whole_chain_passes_verify_and_benchmarks(chain):
-    variant = chain / "results" / "tiny" / "torch-bf16"
+    variant = chain.workdir / "results" / "tiny" / "torch-bf16"
     assert json.loads((variant / "verify.json").read_text())["passed"] is True
     bench = json.loads((variant / "benchmark" / "benchmark.json").read_text())
     assert bench["summary"]["ttfa_ms_p50"] > 0 and bench["summary"]["rtf"] > 0
     assert (variant / "benchmark" / "benchmark.md").read_text().startswith("# Streaming benchmark")
 
 
-def test_second_run_does_nothing(chain):
-    r = snakemake(chain, "-c2")
-    assert r.returncode == 0
-    assert "Nothing to be done" in r.stdout + r.stderr
+def test_up_to_date_workflow_does_nothing_in_under_3_s(chain, capsys):
+    assert chain.planned() == set()
+    times = []
+    for _ in range(3):  # the best of three: this machine's cores are shared
+        start = time.monotonic()
+        r = chain.run("-c", "all")
+        times.append(time.monotonic() - start)
+        assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr
+    with capsys.disabled():
+        print(f"\n'Nothing to be done' in {', '.join(f'{t:.2f}' for t in times)} s")
+    assert min(times) < 3.0
+
+
+@pytest.mark.parametrize(
+    ("module", "reruns"),
+    [
+        ("convert.py", {"convert", "calibrate", "build", "verify", "benchmark"}),
+        ("names.py", STAGES),  # the name table: download validates shapes with it
+        ("engines/torch_engine.py", {"build", "verify", "benchmark"}),  # calibrate loads no engine
+        ("verify.py", {"verify", "benchmark"}),
+        ("vocoder.py", {"benchmark"}),
+        ("pages.py", set()),
+    ],
+)
+def test_editing_code_reruns_what_uses_it_and_what_follows(chain, module, reruns):
+    path = chain.repo / "workflow" / module
+    text, st = path.read_bytes(), path.stat()
+    try:
+        path.write_bytes(text + b"# edited\n")
+        assert chain.planned() == reruns | {"pages", "all"}
+    finally:
+        path.write_bytes(text)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert chain.planned() == set()
+
+
+def test_a_new_synthetic_checkpoint_reruns_everything(chain):
+    assert chain.planned("--config", "model={seed: 1}") == EVERYTHING
+
+
+def test_changed_resources_rerun_nothing(chain):
+    assert chain.planned("--config", "resources={default: {mem_mb: 9000, runtime: 60}, verify: {gpu: 1}}") == set()
+
+
+def test_report_holds_the_verify_and_benchmark_tables_and_the_plots(chain, tmp_path):
+    bench = chain.workdir / "results" / "tiny" / "torch-bf16" / "benchmark"
+    plot = bench / "tokens.png"  # any PNG the benchmark writes into its directory
+    fig = Figure()
+    fig.add_subplot().plot([1, 2, 3])
+    fig.savefig(plot)
+    try:
+        r = chain.run("--report", str(tmp_path / "report.html"))
+    finally:
+        plot.unlink()
+    assert r.returncode == 0, r.stderr[-2000:]
+    added = set(re.findall(r"Adding (\S+) \(", r.stdout + r.stderr))
+    assert added == {"verify.html", "benchmark.html", "tokens.png"}
+    html = (tmp_path / "report.html").read_text()
+    assert "verify.html" in html and "benchmark.html" in html and "tokens.png" in html
 
 
 FP8 = ["--config", "engine={precision: fp8}", "calibration={num_samples: 64}", "benchmark={runs: 1, concurrency: [1]}"]
 
 
 @pytest.fixture(scope="module")
-def fp8_chain(chain):
-    r = snakemake(chain, "-c2", *FP8)
+def fp8_chain(chain) -> Workflow:
+    r = chain.run("-c2", *FP8)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return chain
 
 
 def test_fp8_chain_reuses_the_download_and_passes_verify(fp8_chain):
-    report = json.loads((fp8_chain / "results" / "tiny" / "torch-fp8" / "verify.json").read_text())
+    report = json.loads((fp8_chain.workdir / "results" / "tiny" / "torch-fp8" / "verify.json").read_text())
     assert report["passed"] and report["precision"] == "fp8"
     assert report["held_out"]["disjoint"]
-    assert planned(fp8_chain, *FP8) == set()
+    assert fp8_chain.planned(*FP8) == set()
 
 
 def test_calibration_change_reruns_calibrate_and_what_follows(fp8_chain):
     changed = [*FP8[:2], "calibration={num_samples: 65}", *FP8[3:]]
-    assert planned(fp8_chain, *changed) == {"calibrate", "build", "verify", "benchmark", "all"}
+    assert fp8_chain.planned(*changed) == {"calibrate", "build", "verify", "benchmark", "pages", "all"}
     # bf16 passes the checkpoint through: calibration settings do not touch it
-    assert planned(fp8_chain, "--config", "calibration={num_samples: 65}") == set()
+    assert fp8_chain.planned("--config", "calibration={num_samples: 65}") == set()
+
+
+# --- a local checkpoint replaced in place --------------------------------------------------
+
+
+def test_a_new_checkpoint_in_a_local_directory_reruns_download_and_what_follows(tmp_path):
+    def write_checkpoint(out: Path, seed: int) -> None:
+        cmd = [sys.executable, "-m", "workflow.download", "--source", "synthetic:tiny", "--seed", str(seed), "--out", str(out)]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+
+    source = tmp_path / "moss"
+    write_checkpoint(source, seed=0)
+    wf = Workflow(ROOT, tmp_path / "work")
+    args = ["results/local-moss/ckpt-bf16", "--config", f"model={{source: 'local:{source}'}}"]
+    r = wf.run("-c2", *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert wf.planned(*args) == set()
+
+    write_checkpoint(tmp_path / "new", seed=1)  # new weights, copied over the old files
+    for f in (tmp_path / "new").glob("*.safetensors"):
+        shutil.copy(f, source / f.name)
+    assert wf.planned(*args) == {"download", "convert"}

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workflow import artifacts
-from workflow.engines.base import Engine
 from workflow.errors import InputError
+
+if TYPE_CHECKING:  # base imports torch; the Snakefile imports this package on every start
+    from workflow.engines.base import Engine
 
 ENGINE_JSON = "engine.json"
 BACKENDS = ("torch", "trtllm")
