@@ -47,6 +47,22 @@ def test_decode_steps_match_reference(engine, ref):
         assert (ea - ra[:, -1]).abs().max() < TOL
 
 
+def test_decode_across_an_attention_bucket_matches_reference(engine, ref):
+    """Decode attends to the cache in buckets of KV_BUCKET positions: crossing one changes
+    nothing but the work done."""
+    from workflow.engines.torch_engine import KV_BUCKET
+
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(1, KV_BUCKET - 3, ids, seed=19)
+    follow = traffic.batch(1, 6, ids, seed=20)
+    engine.prefill(prompts)
+    _, _, caches = ref(prompts)
+    for t in range(follow.shape[1]):
+        et, ea = engine.decode(follow[:, t])
+        rt, ra, caches = ref(follow[:, t : t + 1], caches)
+        assert (et - rt[:, -1]).abs().max() < TOL and (ea - ra[:, -1]).abs().max() < TOL
+
+
 def test_greedy_generation_matches_reference_across_modality_switches(engine, ref):
     ids = Ids.of(engine.spec)
     prompts = traffic.batch(4, 24, ids, seed=14)

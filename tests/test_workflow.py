@@ -131,6 +131,24 @@ def test_whole_chain_passes_verify_and_benchmarks(chain):
     assert (variant / "benchmark" / "benchmark.md").read_text().startswith("# Streaming benchmark")
 
 
+def test_benchmark_json_keeps_its_schema_and_plots(chain):
+    from workflow import report
+    from workflow.benchmark import SCHEMA
+    from workflow.errors import InputError
+
+    out = chain.workdir / "results" / "tiny" / "torch-bf16" / "benchmark"
+    bench = json.loads((out / "benchmark.json").read_text())
+    report.check_schema(bench, SCHEMA)
+    assert set(bench["streams"]["engine"]) == {"1", "4"} and set(bench["streams"]["eager_baseline"]) == {"1"}
+    assert bench["floors"]["decode_audio_mode_ms"] < bench["floors"]["decode_text_mode_ms"]
+    assert bench["mel_stage"].startswith("STAND-IN") and bench["vocoder"]["weights"] == "random"
+    for png in ("timeline.png", "latency_cdf.png", "concurrency.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    del bench["summary"]["rtf"]
+    with pytest.raises(InputError, match=r"summary.*'rtf' is a required property"):
+        report.check_schema(bench, SCHEMA)
+
+
 def test_up_to_date_workflow_does_nothing_in_under_3_s(chain, capsys):
     assert chain.planned() == set()
     times = []
@@ -177,7 +195,7 @@ def test_changed_resources_rerun_nothing(chain):
 
 def test_report_holds_the_verify_and_benchmark_tables_and_the_plots(chain, tmp_path):
     bench = chain.workdir / "results" / "tiny" / "torch-bf16" / "benchmark"
-    plot = bench / "tokens.png"  # any PNG the benchmark writes into its directory
+    plot = bench / "tokens.png"  # any further PNG written into the benchmark's directory
     fig = Figure()
     fig.add_subplot().plot([1, 2, 3])
     fig.savefig(plot)
@@ -187,7 +205,8 @@ def test_report_holds_the_verify_and_benchmark_tables_and_the_plots(chain, tmp_p
         plot.unlink()
     assert r.returncode == 0, r.stderr[-2000:]
     added = set(re.findall(r"Adding (\S+) \(", r.stdout + r.stderr))
-    assert added == {"verify.html", "benchmark.html", "tokens.png"}
+    plots = {"timeline.png", "latency_cdf.png", "concurrency.png"}  # the benchmark's own
+    assert added == {"verify.html", "benchmark.html", "tokens.png"} | plots
     html = (tmp_path / "report.html").read_text()
     assert "verify.html" in html and "benchmark.html" in html and "tokens.png" in html
 

@@ -1,0 +1,107 @@
+"""Collect one GPU run of the pipeline (bf16 and FP8 variants) into a result file.
+
+Reads each variant's verify.json and benchmark/benchmark.json as the pipeline wrote them and
+writes summary.json: the figures the performance goals are judged by, each variant's
+verify metrics, and the goals met or missed. Nothing is measured here.
+
+    python benchmarks/collect.py --bf16 <dir> --fp8 <dir> --calibrate-tsv <tsv> --out summary.json \
+        --command "<how the runs were made>"
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+GOALS = [  # (figure, comparison, limit, what the issue asks)
+    ("decode_vs_floor.bf16", "<=", 1.10, "bf16 decode step <= 1.10 x its floor"),
+    ("decode_vs_floor.fp8", "<=", 1.15, "FP8 decode step <= 1.15 x its floor"),
+    ("fp8_decode_speedup", ">=", 1.45, "FP8-trunk decode >= 1.45 x faster than bf16"),
+    ("prefill_matmul_efficiency.bf16", ">=", 0.65, "bf16 prefill of 512 >= 65 % of the measured matmul peak"),
+    ("fp8_prefill_speedup", ">=", 1.40, "FP8 prefill >= 1.4 x bf16"),
+    ("ttfa_ms_p50.fp8", "<=", 50.0, "time to first audio p50 <= 50 ms (FP8)"),
+    ("ttfa_ms_p50.bf16", "<=", 50.0, "time to first audio p50 <= 50 ms (bf16)"),
+    ("rtf.fp8", "<=", 0.08, "RTF <= 0.08 for one stream (FP8)"),
+    ("max_streams_rtf_below_1.fp8", ">=", 32, ">= 32 concurrent streams at RTF < 1 on one H200"),
+]
+
+
+def figure(summary: dict, path: str) -> float:
+    out = summary
+    for key in path.split("."):
+        out = out[key]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bf16", type=Path, required=True, help="results/<tag>/torch-bf16 (or a copy of its files)")
+    ap.add_argument("--fp8", type=Path, required=True, help="results/<tag>/torch-fp8")
+    ap.add_argument("--calibrate-tsv", type=Path, required=True, help="the calibrate rule's Snakemake benchmark TSV")
+    ap.add_argument("--command", action="append", required=True)
+    ap.add_argument("--date", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    runs = {p: json.loads(bench_json(getattr(args, p)).read_text()) for p in ("bf16", "fp8")}
+    checks = {p: json.loads((getattr(args, p) / "verify.json").read_text()) for p in ("bf16", "fp8")}
+    with open(args.calibrate_tsv) as f:
+        calib_s = float(next(csv.DictReader(f, delimiter="\t"))["s"])
+
+    def per(key: str) -> dict:
+        return {p: runs[p]["summary"][key] for p in runs}
+
+    s = {
+        "gpu": runs["bf16"]["machine"]["device"],
+        "date": args.date,
+        "commit": per_commit(runs),
+        "command": args.command,
+        "copy_bandwidth_TBps": per("copy_bandwidth_TBps"),
+        "matmul_peak_TFLOPs": per("matmul_peak_TFLOPs"),
+        "decode_step_ms": per("decode_step_ms"),
+        "decode_floor_ms": per("decode_floor_ms"),
+        "decode_vs_floor": per("decode_vs_floor"),
+        "prefill512_ms": per("prefill_ms"),
+        "prefill_matmul_efficiency": per("prefill_matmul_efficiency"),
+        "ttfa_ms_p50": per("ttfa_ms_p50"),
+        "ttfa_ms_p99": per("ttfa_ms_p99"),
+        "rtf": per("rtf"),
+        "max_streams_rtf_below_1": per("max_streams_rtf_below_1"),
+        "speedup_vs_eager_decode": per("speedup_vs_eager_decode"),
+        "speedup_vs_eager_ttfa": per("speedup_vs_eager_ttfa"),
+        "calibration_rule_s": calib_s,
+        "calibration_samples": checks["fp8"]["held_out"]["calibration_rows"],
+        "verify": {
+            p: {
+                "passed": c["passed"],
+                "thresholds": c["thresholds"],
+                **{sec: c[sec] for sec in ("teacher_forced", "teacher_forced_decode", "greedy", "held_out") if sec in c},
+            }
+            for p, c in checks.items()
+        },
+    }
+    s["fp8_decode_speedup"] = s["decode_step_ms"]["bf16"] / s["decode_step_ms"]["fp8"]
+    s["fp8_prefill_speedup"] = s["prefill512_ms"]["bf16"] / s["prefill512_ms"]["fp8"]
+    s["goals"] = []
+    for path, op, limit, text in GOALS:
+        got = figure(s, path)
+        met = got <= limit if op == "<=" else got >= limit
+        s["goals"].append({"goal": text, "figure": path, "measured": got, "limit": limit, "met": met})
+    args.out.write_text(json.dumps(s, indent=2) + "\n")
+    for g in s["goals"]:
+        print(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']:.3f}")
+
+
+def bench_json(variant: Path) -> Path:
+    """benchmark.json of a variant: in the pipeline's layout (benchmark/) or copied flat beside verify.json."""
+    nested = variant / "benchmark" / "benchmark.json"
+    return nested if nested.exists() else variant / "benchmark.json"
+
+
+def per_commit(runs: dict) -> dict:
+    return {p: r["commit"] for p, r in runs.items()}
+
+
+if __name__ == "__main__":
+    main()
