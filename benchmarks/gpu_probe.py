@@ -154,6 +154,23 @@ def gemm_times(spec) -> dict:
     return out
 
 
+def variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids, with_profile: bool) -> dict:
+    """Build one engine variant, check it against the reference, then time it."""
+    t = time.time()
+    eng = TorchEngine(spec, tensors, options)
+    v = {"agreement": agreement(eng, ref, prompts, ids)}
+    if options.cuda_graphs:
+        v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
+    v |= micro(eng, ids, (1, 32) if options.cuda_graphs else (1,))
+    v["build_and_check_s"] = time.time() - t
+    if with_profile and options.compile:
+        v["profile"] = profile(eng, ids)
+    say(f"{name}: {json.dumps(v)}")
+    del eng
+    free()
+    return v
+
+
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -209,19 +226,9 @@ def main() -> None:
     ):
         if name not in wanted:
             continue
-        t = time.time()
-        eng = TorchEngine(spec, trt, EngineOptions(DEV.type, dtype, 32, 1024, graphs, compiled))
-        v = {"agreement": agreement(eng, ref, prompts, ids)}
-        if graphs:
-            v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
-        v |= micro(eng, ids, (1, 32) if graphs else (1,))
-        v["build_and_check_s"] = time.time() - t
-        if args.profile and compiled:
-            v["profile"] = profile(eng, ids)
-        res["variants"][name] = v
-        say(f"{name}: {json.dumps(v)}")
-        del eng
-        free()
+        res["variants"][name] = variant(
+            name, spec, trt, EngineOptions(DEV.type, dtype, 32, 1024, graphs, compiled), ref, prompts, ids, args.profile
+        )
     # FP8: modelopt on the reference over synthetic traffic, then the FP8 checkpoint's tensors
     t = time.time()
     rows = list(traffic.batch(args.calib_samples, 256, ids, seed=1234))
@@ -236,18 +243,9 @@ def main() -> None:
     for name, compiled in (("fp8 graphs", False), ("fp8 compile+graphs", True)):
         if name not in wanted:
             continue
-        t = time.time()
-        eng = TorchEngine(spec, fp8, EngineOptions(DEV.type, dtype, 32, 1024, True, compiled))
-        v = {"agreement": agreement(eng, ref, prompts, ids)}
-        v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
-        v |= micro(eng, ids, (1, 32))
-        v["build_and_check_s"] = time.time() - t
-        if args.profile and compiled:
-            v["profile"] = profile(eng, ids)
-        res["variants"][name] = v
-        say(f"{name}: {json.dumps(v)}")
-        del eng
-        free()
+        res["variants"][name] = variant(
+            name, spec, fp8, EngineOptions(DEV.type, dtype, 32, 1024, True, compiled), ref, prompts, ids, args.profile
+        )
     # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
     for fused in (False, True) if args.vocoder else ():
         t = time.time()

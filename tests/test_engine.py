@@ -34,17 +34,22 @@ def test_prefill_logits_match_reference(engine, ref):
     assert (ea - ra).abs().max() < TOL
 
 
-def test_decode_steps_match_reference(engine, ref):
+def assert_decode_matches_reference(engine, ref, batch: int, prompt_len: int, steps: int, seed: int) -> None:
+    """Prefill both with the same traffic, then feed both the same tokens one step at a time."""
     ids = Ids.of(engine.spec)
-    prompts = traffic.batch(2, 30, ids, seed=12)
-    follow = traffic.batch(2, 12, ids, seed=13)
+    prompts = traffic.batch(batch, prompt_len, ids, seed=seed)
+    follow = traffic.batch(batch, steps, ids, seed=seed + 1)
     engine.prefill(prompts)
     _, _, caches = ref(prompts)
-    for t in range(follow.shape[1]):
+    for t in range(steps):
         et, ea = engine.decode(follow[:, t])
         rt, ra, caches = ref(follow[:, t : t + 1], caches)
         assert (et - rt[:, -1]).abs().max() < TOL
         assert (ea - ra[:, -1]).abs().max() < TOL
+
+
+def test_decode_steps_match_reference(engine, ref):
+    assert_decode_matches_reference(engine, ref, batch=2, prompt_len=30, steps=12, seed=12)
 
 
 def test_decode_across_an_attention_bucket_matches_reference(engine, ref):
@@ -52,15 +57,7 @@ def test_decode_across_an_attention_bucket_matches_reference(engine, ref):
     nothing but the work done."""
     from workflow.engines.torch_engine import KV_BUCKET
 
-    ids = Ids.of(engine.spec)
-    prompts = traffic.batch(1, KV_BUCKET - 3, ids, seed=19)
-    follow = traffic.batch(1, 6, ids, seed=20)
-    engine.prefill(prompts)
-    _, _, caches = ref(prompts)
-    for t in range(follow.shape[1]):
-        et, ea = engine.decode(follow[:, t])
-        rt, ra, caches = ref(follow[:, t : t + 1], caches)
-        assert (et - rt[:, -1]).abs().max() < TOL and (ea - ra[:, -1]).abs().max() < TOL
+    assert_decode_matches_reference(engine, ref, batch=1, prompt_len=KV_BUCKET - 3, steps=6, seed=19)
 
 
 def test_greedy_generation_matches_reference_across_modality_switches(engine, ref):

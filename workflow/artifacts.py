@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from workflow.errors import InputError
+from workflow.errors import InputError, read_json
 
 MANIFEST = "manifest.json"
 
@@ -162,12 +162,7 @@ def write_manifest(root: Path) -> dict:
 
 def read_manifest(root: str | Path) -> dict:
     path = Path(root) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(path, "file is missing: not a complete artifact") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    manifest = read_json(path, "file is missing: not a complete artifact")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), str):
         raise InputError(path, "has no sha256: not a manifest")
     return manifest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,16 @@ class InputError(Exception):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {self.problem}")
+
+
+def read_json(path: str | Path, missing: str = "file is missing"):
+    """A JSON file's content, or an InputError naming the file: missing, or not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(path, missing) from None
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None = None) -> None:

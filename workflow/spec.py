@@ -6,11 +6,10 @@ the reference and the engines all take a ModelSpec.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workflow.errors import InputError
+from workflow.errors import InputError, read_json
 
 # Field name -> accepted Python types, as configuration_moss_speech.py writes them.
 REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
@@ -121,12 +120,7 @@ def spec_from_config(cfg: dict, source: str = "config.json") -> ModelSpec:
 def load_spec(hf_dir: str | Path) -> ModelSpec:
     """Read and validate <hf_dir>/config.json."""
     path = Path(hf_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(path, "file is missing") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = read_json(path)
     if not isinstance(cfg, dict):
         raise InputError(path, "top level must be a JSON object")
     return spec_from_config(cfg, str(path))

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from workflow import artifacts, tensorfile
-from workflow.errors import InputError
+from workflow.errors import InputError, read_json
 from workflow.names import fp8_exclude_modules, layer_plan, trt_shapes, trunk_linears
 from workflow.spec import ModelSpec
 
@@ -128,12 +128,7 @@ def compare_tensors(tensors: TensorMeta, want: TensorMeta, source: str) -> None:
 
 def read_config(ckpt_dir: str | Path) -> tuple[dict, ModelSpec]:
     path = Path(ckpt_dir) / CONFIG
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(path, "file is missing") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = read_json(path)
     return cfg, spec_from_trt_config(cfg, str(path))
 
 

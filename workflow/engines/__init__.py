@@ -6,12 +6,11 @@ checkpoint it was built from) and whatever its backend needs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workflow import artifacts
-from workflow.errors import InputError
+from workflow.errors import InputError, read_json
 
 if TYPE_CHECKING:  # base imports torch; the Snakefile imports this package on every start
     from workflow.engines.base import Engine
@@ -33,12 +32,7 @@ def check_engine_config(backend: str, precision: str, device: str, where: str = 
 
 def read_engine_json(engine_dir: str | Path) -> dict:
     path = Path(engine_dir) / ENGINE_JSON
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(path, "file is missing: not an engine directory") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not valid JSON ({e.msg})") from None
+    meta = read_json(path, "file is missing: not an engine directory")
     return _require(meta, ("backend", "options"), path)
 
 
