@@ -131,7 +131,3 @@ class ReferenceEngine:
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         text, audio, self.caches = self.model(tokens[:, None].to(self.device), self.caches)
         return text[:, -1], audio[:, -1]
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

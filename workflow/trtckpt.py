@@ -22,7 +22,6 @@ from workflow.spec import ModelSpec
 
 CONFIG, WEIGHTS = "config.json", "rank0.safetensors"
 ARCHITECTURE = "MossSpeechForCausalLM"
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def trt_config(spec: ModelSpec, fp8: bool = False) -> dict:

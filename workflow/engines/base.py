@@ -43,8 +43,3 @@ class Engine(ABC):
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One step for each sequence. With need_text False (every sequence in audio mode) the
         text head is skipped and None returned; the text branch still fills its cache."""
-
-    def synchronize(self) -> None:
-        """Wait for queued device work, so that a host clock read after it means something."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
