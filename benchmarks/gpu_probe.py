@@ -23,14 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflow import calibrate, roofline, traffic
+from workflow import calibrate, roofline, traffic, verify
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
-from workflow.generate import Ids, audio_mode_after
+from workflow.generate import Ids
 from workflow.names import hf_to_trt
 from workflow.reference import MossSpeechReference
 from workflow.spec import PRESETS
 from workflow.synthetic import synthetic_state
-from workflow.verify import head_metrics
 from workflow.vocoder import Graphed, load_bigvgan
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a local smoke run on tiny
@@ -44,14 +43,9 @@ def say(msg: str) -> None:
 
 
 def agreement(engine, ref, prompts, ids) -> dict:
-    """Teacher-forced metrics of both heads, engine vs reference (the verify metrics)."""
-    et, ea = engine.prefill(prompts, all_logits=True)
-    rt, ra, _ = ref(prompts)
-    mode = audio_mode_after(prompts, ids).flatten().cpu()
-    n = ids.eosp + 1
-    text = head_metrics(rt.flatten(0, 1).cpu(), et.flatten(0, 1).cpu(), ~mode)
-    audio = head_metrics(ra[..., :n].flatten(0, 1).cpu(), ea[..., :n].flatten(0, 1).cpu(), mode)
-    return {h: {k: m[k] for k in ("top1", "kl_mean", "max_abs_diff")} for h, m in (("text", text), ("audio", audio))}
+    """verify's teacher-forced metrics (prefill path) of both heads, engine vs reference."""
+    m = verify.teacher_forced(engine, ref, prompts, ids)["prefill"]
+    return {h: {k: m[h][k] for k in ("top1", "kl_mean", "max_abs_diff")} for h in ("text", "audio")}
 
 
 def decode_matches(engine, ids, prompt, steps: int = 8) -> float:

@@ -11,6 +11,7 @@ In audio mode the text logits are never read, so the engine may skip the text he
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -58,6 +59,12 @@ def audio_mode_after(tokens: torch.Tensor, ids: Ids) -> torch.Tensor:
     return (text == ids.sosp) | ((text == ids.pad) & (audio != ids.eosp))
 
 
+@functools.cache
+def _stop_ids(ids: Ids, device: torch.device) -> torch.Tensor:
+    """The stop ids as a tensor on `device`, made once, not at every step."""
+    return torch.tensor(ids.stop, device=device)
+
+
 def advance(
     text_tok: torch.Tensor, audio_tok: torch.Tensor, audio_mode: torch.Tensor, ids: Ids
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,7 +72,7 @@ def advance(
     text_tok = torch.where(audio_mode, torch.full_like(text_tok, ids.pad), text_tok)
     audio_tok = torch.where(audio_mode, audio_tok, torch.full_like(audio_tok, ids.audio_pad))
     next_mode = torch.where(audio_mode, audio_tok != ids.eosp, text_tok == ids.sosp)
-    stopped = ~audio_mode & torch.isin(text_tok, torch.tensor(ids.stop, device=text_tok.device))
+    stopped = ~audio_mode & torch.isin(text_tok, _stop_ids(ids, text_tok.device))
     return torch.stack([text_tok, audio_tok], dim=-1), next_mode, stopped
 
 

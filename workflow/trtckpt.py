@@ -19,6 +19,7 @@ from workflow import artifacts, tensorfile
 from workflow.errors import InputError, read_json
 from workflow.names import fp8_exclude_modules, layer_plan, trt_shapes, trunk_linears
 from workflow.spec import ModelSpec
+from workflow.tensorfile import TensorMeta
 
 CONFIG, WEIGHTS = "config.json", "rank0.safetensors"
 ARCHITECTURE = "MossSpeechForCausalLM"
@@ -100,9 +101,6 @@ def expected_tensors(spec: ModelSpec, fp8: bool) -> dict[str, tuple[tuple[int, .
             out[f"{module}.weights_scaling_factor"] = ((1,), torch.float32)
             out[f"{module}.activation_scaling_factor"] = ((1,), torch.float32)
     return out
-
-
-TensorMeta = dict[str, tuple[tuple[int, ...], torch.dtype | str]]
 
 
 def check_tensors(tensors: TensorMeta, spec: ModelSpec, fp8: bool, source: str) -> None:

@@ -58,28 +58,35 @@ def head_metrics(ref: torch.Tensor, eng: torch.Tensor, used: torch.Tensor) -> di
     }
 
 
-def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids, decode: bool = False) -> dict:
-    """Both heads' metrics over every position of every prompt; with `decode`, over the
-    second half of each prompt, fed one decode step at a time after a prefill of the first."""
+def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids) -> dict[str, dict]:
+    """Both heads' metrics, engine against reference, along two engine paths: "prefill" over
+    every position of every prompt, and "decode" over the second half of each prompt, fed one
+    decode step at a time after a prefill of the first. One reference pass serves both."""
     n_codes = ids.eosp + 1
-    acc: dict[str, list[torch.Tensor]] = {k: [] for k in ("rt", "et", "ra", "ea", "mode")}
-    for chunk in prompts.split(engine.max_batch):
-        rt, ra, _ = ref(chunk.to(ref.text_path.device))
-        mode = audio_mode_after(chunk, ids)
-        if decode:
-            start, end = chunk.shape[1] // 2, chunk.shape[1]
-            et, ea = _decode_logits(engine, chunk, start)
-            rt, ra, mode = rt[:, start - 1 : end - 1], ra[:, start - 1 : end - 1], mode[:, start - 1 : end - 1]
-        else:
-            et, ea = engine.prefill(chunk, all_logits=True)
-        for k, v in (("rt", rt), ("et", et), ("ra", ra[..., :n_codes]), ("ea", ea[..., :n_codes])):
-            acc[k].append(v.float().cpu().flatten(0, 1))
-        acc["mode"].append(mode.flatten().cpu())
-    cat = {k: torch.cat(v) for k, v in acc.items()}
-    return {
-        "text": head_metrics(cat["rt"], cat["et"], ~cat["mode"]),
-        "audio": head_metrics(cat["ra"], cat["ea"], cat["mode"]),
+    acc: dict[str, dict[str, list[torch.Tensor]]] = {
+        path: {k: [] for k in ("rt", "et", "ra", "ea", "mode")} for path in ("prefill", "decode")
     }
+    for chunk in prompts.split(engine.max_batch):
+        rt, ra, _ = ref(chunk)
+        mode = audio_mode_after(chunk, ids)
+        start, end = chunk.shape[1] // 2, chunk.shape[1]
+        after = slice(start - 1, end - 1)  # positions whose logits the decode path produces
+        paths = {
+            "prefill": (*engine.prefill(chunk, all_logits=True), rt, ra, mode),
+            "decode": (*_decode_logits(engine, chunk, start), rt[:, after], ra[:, after], mode[:, after]),
+        }
+        for path, (et, ea, rt_, ra_, mode_) in paths.items():
+            for k, v in (("rt", rt_), ("et", et), ("ra", ra_[..., :n_codes]), ("ea", ea[..., :n_codes])):
+                acc[path][k].append(v.float().cpu().flatten(0, 1))
+            acc[path]["mode"].append(mode_.flatten().cpu())
+    out = {}
+    for path, parts in acc.items():
+        cat = {k: torch.cat(v) for k, v in parts.items()}
+        out[path] = {
+            "text": head_metrics(cat["rt"], cat["et"], ~cat["mode"]),
+            "audio": head_metrics(cat["ra"], cat["ea"], cat["mode"]),
+        }
+    return out
 
 
 def _decode_logits(engine: Engine, chunk: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +163,10 @@ def evaluate(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, gr
     Takes a loaded engine rather than a directory so that faults which live only in a running
     engine (a KV cache aliased between branches, say) can be injected and must be caught."""
     ids = Ids.of(ref.spec)
+    forced = teacher_forced(engine, ref, prompts, ids)
     report = {
-        "teacher_forced": teacher_forced(engine, ref, prompts, ids),
-        "teacher_forced_decode": teacher_forced(engine, ref, prompts, ids, decode=True),
+        "teacher_forced": forced["prefill"],
+        "teacher_forced_decode": forced["decode"],
         "greedy": greedy(engine, ReferenceEngine(ref, engine.device), prompts, greedy_steps, ids),
         "thresholds": thresholds,
     }

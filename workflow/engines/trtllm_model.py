@@ -36,15 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from workflow import trtckpt
+from workflow import tensorfile, trtckpt
 from workflow.errors import InputError
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
 # The entries of TensorRT-LLM's default exclude list (used when a config gives none) that can
 # match a module of this model (quantization/quantize.py, quantize_layers).
 DEFAULT_EXCLUDES = ("*lm_head", "*vocab_embedding")
@@ -118,10 +116,10 @@ def fp8_modules(cfg: dict) -> list[str]:
     return [w.module for w in weights(cfg) if w.kind == "linear" and not excluded(w.module, patterns)]
 
 
-def declared_parameters(cfg: dict) -> trtckpt.TensorMeta:
+def declared_parameters(cfg: dict) -> tensorfile.TensorMeta:
     """Name -> (shape, dtype) of every parameter the definition requires from a checkpoint."""
     dtype, fp8 = DTYPES[cfg["dtype"]], set(fp8_modules(cfg))
-    out: trtckpt.TensorMeta = {}
+    out: tensorfile.TensorMeta = {}
     for w in weights(cfg):
         if w.module in fp8:
             out[f"{w.module}.weight"] = (w.shape, torch.float8_e4m3fn)
@@ -157,24 +155,12 @@ def check_trt_config(cfg: dict, source: str = trtckpt.CONFIG) -> ModelSpec:
     return spec
 
 
-def tensor_meta(path: Path) -> trtckpt.TensorMeta:
-    """Name -> (shape, dtype) of a safetensors file, read from its header alone."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            slices = {name: f.get_slice(name) for name in f.keys()}
-            return {n: (tuple(s.get_shape()), SAFETENSORS_DTYPES.get(s.get_dtype())) for n, s in slices.items()}
-    except FileNotFoundError:
-        raise InputError(path, "file is missing") from None
-    except (SafetensorError, OSError) as e:
-        raise InputError(path, f"not a readable safetensors file ({e})") from None
-
-
 def check_checkpoint(ckpt_dir: str | Path) -> dict:
     """The checkpoint's config, once it and every tensor fit this definition (else InputError)."""
     cfg, _ = trtckpt.read_config(ckpt_dir)
     check_trt_config(cfg, str(Path(ckpt_dir) / trtckpt.CONFIG))
     path = Path(ckpt_dir) / trtckpt.WEIGHTS
-    trtckpt.compare_tensors(tensor_meta(path), declared_parameters(cfg), str(path))
+    trtckpt.compare_tensors(tensorfile.read_header(path), declared_parameters(cfg), str(path))
     return cfg
 
 
@@ -311,7 +297,7 @@ def model_classes():
     return MossSpeechConfig, MossSpeechForCausalLM
 
 
-def required_parameters(model) -> trtckpt.TensorMeta:
+def required_parameters(model) -> tensorfile.TensorMeta:
     """Name -> (shape, dtype) of what a built (not yet loaded) model needs from a checkpoint."""
     from tensorrt_llm._utils import trt_dtype_to_torch
 
