@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workflow import calibrate, roofline, traffic, verify
+from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
 from workflow.generate import Ids
 from workflow.names import hf_to_trt
@@ -141,16 +142,32 @@ def gemm_times(spec) -> dict:
             "bf16_m16": (per_call_ms(lambda: torch.nn.functional.linear(x16, w)), 2 * n * k),  # noqa: B023
             "fp8_m16": (per_call_ms(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16)), n * k),  # noqa: B023
         }
+        if gemv.available():
+            gemv.tune([w, w8])
+            x81 = x1.to(torch.float8_e4m3fn)
+            row["gemv_bf16_m1"] = (per_call_ms(lambda: gemv.gemv(x1, w, torch.bfloat16)), 2 * n * k)  # noqa: B023
+            row["gemv_fp8_m1"] = (per_call_ms(lambda: gemv.gemv(x81, w8, torch.bfloat16, scale=one)), n * k)  # noqa: B023
+            out[name + "_blocks"] = {"bf16": gemv.config_for(n, k, 2), "fp8": gemv.config_for(n, k, 1)}
         out[name] = {lab: {"us": 1e3 * ms, "GBps": b / ms / 1e6} for lab, (ms, b) in row.items()}
         say(
             f"gemm {name} {n}x{k}: " + ", ".join(f"{lab} {r['us']:.1f} us ({r['GBps']:.0f} GB/s)" for lab, r in out[name].items())
         )
+        say(f"     tuned gemv blocks (BLOCK_N, BLOCK_K, warps): {out.get(name + '_blocks')}")
     return out
 
 
 def variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids, with_profile: bool) -> dict:
     """Build one engine variant, check it against the reference, then time it."""
     t = time.time()
+    try:
+        return _variant(name, spec, tensors, options, ref, prompts, ids, with_profile, t)
+    except Exception as e:  # one variant failing must not cost the others' measurements
+        say(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+        free()
+        return {"failed": f"{type(e).__name__}: {str(e)[:2000]}"}
+
+
+def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids, with_profile: bool, t: float) -> dict:
     eng = TorchEngine(spec, tensors, options)
     v = {"agreement": agreement(eng, ref, prompts, ids)}
     if options.cuda_graphs:
@@ -175,12 +192,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--preset", default="full")
-    ap.add_argument("--variants", default="bf16 eager,bf16 graphs,bf16 compile+graphs,fp8 graphs,fp8 compile+graphs")
+    ap.add_argument(
+        "--variants",
+        default="bf16 eager,bf16 graphs,bf16 compile+graphs,bf16 compile+graphs+gemv,fp8 graphs,fp8 compile+graphs,"
+        "fp8 compile+graphs+gemv",
+        help="comma-separated; each name's words pick the options: graphs, compile, gemv",
+    )
     ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="kernel profile of one prefill and one decode step")
     ap.add_argument("--gemm", action="store_true", help="bare bf16 GEMV and FP8 _scaled_mm times of the trunk shapes")
     args = ap.parse_args()
-    wanted = set(args.variants.split(","))
     dtype, vocoder_name = (
         ("bfloat16", "bigvgan_v2_24khz_100band_256x") if DEV.type == "cuda" else ("float32", "reduced_24khz_100band_256x")
     )
@@ -213,33 +234,26 @@ def main() -> None:
     prompts = traffic.batch(2, 96, ids, seed=7001)
     if args.gemm:
         res["gemm"] = gemm_times(spec)
-    for name, graphs, compiled in (
-        ("bf16 eager", False, False),
-        ("bf16 graphs", True, False),
-        ("bf16 compile+graphs", True, True),
-    ):
-        if name not in wanted:
-            continue
-        res["variants"][name] = variant(
-            name, spec, trt, EngineOptions(DEV.type, dtype, 32, 1024, graphs, compiled), ref, prompts, ids, args.profile
-        )
-    # FP8: modelopt on the reference over synthetic traffic, then the FP8 checkpoint's tensors
-    t = time.time()
-    rows = list(traffic.batch(args.calib_samples, 256, ids, seed=1234))
-    qref = MossSpeechReference(spec, hf, getattr(torch, dtype), DEV)
-    calibrate.quantize(qref, rows, DEV.type)
-    amax = calibrate.amax_table(qref)
-    del qref
-    free()
-    fp8 = calibrate.fp8_tensors(trt, amax, spec)
-    res["fp8_calibration_s"] = time.time() - t
-    say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
-    for name, compiled in (("fp8 graphs", False), ("fp8 compile+graphs", True)):
-        if name not in wanted:
-            continue
-        res["variants"][name] = variant(
-            name, spec, fp8, EngineOptions(DEV.type, dtype, 32, 1024, True, compiled), ref, prompts, ids, args.profile
-        )
+
+    def options(name: str) -> EngineOptions:
+        return EngineOptions(DEV.type, dtype, 32, 1024, "graphs" in name, "compile" in name, "gemv" in name)
+
+    for name in [n for n in args.variants.split(",") if n.startswith("bf16")]:
+        res["variants"][name] = variant(name, spec, trt, options(name), ref, prompts, ids, args.profile)
+    fp8_variants = [n for n in args.variants.split(",") if n.startswith("fp8")]
+    if fp8_variants:  # FP8: modelopt on the reference over synthetic traffic, then the checkpoint's tensors
+        t = time.time()
+        rows = list(traffic.batch(args.calib_samples, 256, ids, seed=1234))
+        qref = MossSpeechReference(spec, hf, getattr(torch, dtype), DEV)
+        calibrate.quantize(qref, rows, DEV.type)
+        amax = calibrate.amax_table(qref)
+        del qref
+        free()
+        fp8 = calibrate.fp8_tensors(trt, amax, spec)
+        res["fp8_calibration_s"] = time.time() - t
+        say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
+    for name in fp8_variants:
+        res["variants"][name] = variant(name, spec, fp8, options(name), ref, prompts, ids, args.profile)
     # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
     for fused in (False, True) if args.vocoder else ():
         t = time.time()
@@ -265,6 +279,9 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for name, v in res["variants"].items():
+        if "failed" in v:
+            print(f"| {name} | FAILED: {v['failed'][:100]} |")
+            continue
         a = v["agreement"]
         floor = floors["fp8_audio" if name.startswith("fp8") else "bf16_audio"]
         print(

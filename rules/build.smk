@@ -16,6 +16,7 @@ rule build:
     params:
         e=config["engine"],
         flags=("--compile " if config["engine"]["compile"] else "")
+        + ("--gemv " if config["engine"]["gemv"] else "")
         + ("" if config["engine"]["cuda_graphs"] else "--no-cuda-graphs"),
     shell:
         "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, trtckpt
-from workflow.engines import ENGINE_JSON, check_engine_config, load_engine
+from workflow.engines import ENGINE_JSON, check_engine_config, gemv, load_engine
 from workflow.errors import InputError, run_main
 
 
@@ -38,8 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: decode without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch backend: fuse elementwise work with torch.compile")
+    ap.add_argument("--gemv", action="store_true", help="torch backend: decode's matmuls through the fused Triton GEMV")
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
+    if args.gemv and not gemv.available():
+        raise InputError("config: engine.gemv", "needs Triton, which is not installed (pip install triton)")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             "max_seq_len": args.max_seq_len,
             "cuda_graphs": not args.no_cuda_graphs,
             "compile": args.compile,
+            "gemv": args.gemv,
         },
         "spec": spec.to_dict(),
         "versions": versions(),
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
         text, audio = engine.prefill(prompt)
         if not (torch.isfinite(text).all() and torch.isfinite(audio).all()):
             raise InputError(args.ckpt, "the built engine produces non-finite logits")
+        if getattr(engine, "gemv_blocks", None):  # tuned on this GPU now: later loads reuse them
+            meta["options"]["gemv_blocks"] = engine.gemv_blocks
+            (tmp / ENGINE_JSON).write_text(json.dumps(meta, indent=2) + "\n")
     print(f"built {args.backend}/{args.precision} engine in {args.out}")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch import nn
 
 from workflow import fp8, trtckpt
 from workflow.cudagraphs import Graphs
+from workflow.engines import gemv
 from workflow.engines.base import Engine, merged_ids
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
@@ -37,6 +39,8 @@ class EngineOptions:
     max_seq_len: int = 1024
     cuda_graphs: bool = True  # CUDA only: replay each decode step from a captured graph
     compile: bool = False  # fuse the elementwise work between matmuls with torch.compile
+    gemv: bool = False  # decode's matmuls (<= gemv.MAX_M rows) through the fused Triton GEMV
+    gemv_blocks: dict | None = None  # its block shapes per weight shape, tuned at build (gemv.tune)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,18 +80,48 @@ def linear(
     return y[:m].reshape(*shape[:-1], -1)
 
 
+class LinearArgs(NamedTuple):
+    """A linear's tensors as `project` takes them. weight, a_scale, w_scale: what `linear`
+    takes; fp8_weight and out_scale (a_scale x w_scale per part): what the FP8 GEMV reads."""
+
+    weight: torch.Tensor
+    a_scale: torch.Tensor | None = None
+    w_scale: tuple[torch.Tensor, ...] | None = None
+    fp8_weight: torch.Tensor | None = None
+    out_scale: torch.Tensor | None = None
+
+
+def project(
+    x: torch.Tensor,
+    lin: LinearArgs,
+    fused: bool,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] linear([rms_norm](x)). With `fused` and few rows (decode), one GEMV kernel
+    does it all; FP8 quantizes x first (the norm then runs here, fused by torch.compile)."""
+    if fused and x.numel() // x.shape[-1] <= gemv.MAX_M:
+        if lin.a_scale is None:
+            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual)
+        xq = fp8.quantize(x if norm is None else rms_norm(x, norm, eps), lin.a_scale)
+        return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
+    y = linear(x if norm is None else rms_norm(x, norm, eps), lin.weight, lin.a_scale, lin.w_scale)
+    return y if residual is None else residual + y
+
+
 class Linear(nn.Module):
-    """A bf16 (or float32) linear; `args()` is what `linear` takes after x."""
+    """A bf16 (or float32) linear; `args()` is what `project` takes."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
 
-    def args(self) -> tuple:
-        return (self.weight, None, None)
+    def args(self) -> LinearArgs:
+        return LinearArgs(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, *self.args())
+        return linear(x, *self.args()[:3])
 
 
 class Fp8Linear(Linear):
@@ -100,16 +134,17 @@ class Fp8Linear(Linear):
         self.register_buffer("w_scale", w_scale.float().reshape(-1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
         self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.row_scale()).to(dtype))
+        self.register_buffer("out_scale", self.a_scale * self.w_scale)
         self.part_scales = tuple(s.clone().reshape(1) for s in self.w_scale)
 
     def row_scale(self) -> torch.Tensor:
         """[N, 1]: each output row's weight scale."""
         return self.w_scale.repeat_interleave(self.weight.shape[0] // self.w_scale.numel())[:, None]
 
-    def args(self) -> tuple:
-        if self.w_deq is not None:
-            return (self.w_deq, self.a_scale, None)
-        return (self.weight, self.a_scale, self.part_scales)
+    def args(self) -> LinearArgs:
+        if self.w_deq is not None:  # CPU: exact emulation through the dequantized weight
+            return LinearArgs(self.w_deq, self.a_scale, None, self.weight, self.out_scale)
+        return LinearArgs(self.weight, self.a_scale, self.part_scales, self.weight, self.out_scale)
 
 
 def layer_step(
@@ -121,20 +156,22 @@ def layer_step(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     norms: tuple[torch.Tensor, ...],
-    qkv: tuple,
-    dense: tuple,
-    gate_up: tuple,
-    proj: tuple,
+    qkv: LinearArgs,
+    dense: LinearArgs,
+    gate_up: LinearArgs,
+    proj: LinearArgs,
     eps: float,
     head_dim: int,
+    fused: bool = False,
 ) -> torch.Tensor:
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
     otherwise attend to the first mask.shape[-1] cached positions where mask is True.
-    norms: input, post-attention, q, k; each linear: (weight, a_scale, w_scale)."""
+    norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
-    q, k, v = linear(rms_norm(x, norms[0], eps), *qkv).split([qkv[0].shape[0] - 2 * kv_size, kv_size, kv_size], dim=-1)
+    qkv_out = project(x, qkv, fused, norms[0], eps)
+    q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
     q = rope(rms_norm(q.view(b, t, -1, d), norms[2], eps), cos, sin).transpose(1, 2)
     k = rope(rms_norm(k.view(b, t, -1, d), norms[3], eps), cos, sin).transpose(1, 2)
     v = v.view(b, t, -1, d).transpose(1, 2)
@@ -146,17 +183,17 @@ def layer_step(
     else:
         kv_len = mask.shape[-1]
         y = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=True)
-    h = x + linear(y.transpose(1, 2).reshape(b, t, -1), *dense)
-    gate, up = linear(rms_norm(h, norms[1], eps), *gate_up).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, *proj)
+    h = project(y.transpose(1, 2).reshape(b, t, -1), dense, fused, residual=x)
+    gate, up = project(h, gate_up, fused, norms[1], eps).chunk(2, dim=-1)
+    return project(F.silu(gate) * up, proj, fused, residual=h)
 
 
 class Layer(nn.Module):
     """One Qwen3 decoder layer's tensors and its own KV cache; `step` computes it."""
 
-    def __init__(self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step):
+    def __init__(self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step, fused: bool = False):
         super().__init__()
-        self.spec, self.step = spec, step
+        self.spec, self.step, self.fused = spec, step, fused
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
         self.norms = tuple(
@@ -176,7 +213,7 @@ class Layer(nn.Module):
         return self.step(
             x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
             self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args(),
-            self.spec.rms_norm_eps, self.spec.head_dim,
+            self.spec.rms_norm_eps, self.spec.head_dim, self.fused,
         )  # fmt: skip
 
 
@@ -231,6 +268,7 @@ class TorchEngine(Engine, nn.Module):
                 _linears(tensors, f"transformer.layers.{n}.", dt, dev),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
+                options.gemv,
             )
             for n in range(spec.num_layers)
         )
@@ -242,6 +280,12 @@ class TorchEngine(Engine, nn.Module):
         self.lm_head = Linear(t("lm_head.weight"))
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
+        self.gemv_blocks = dict(options.gemv_blocks or {})
+        if options.gemv and self.device.type == "cuda":
+            if not self.gemv_blocks:  # first load (build): choose each shape's blocks on this GPU
+                args = [m.args() for m in self.modules() if isinstance(m, Linear)]
+                self.gemv_blocks = gemv.tune([a.weight if a.fp8_weight is None else a.fp8_weight for a in args])
+            gemv.BLOCKS.update({k: tuple(v) for k, v in self.gemv_blocks.items()})
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
         self.cos, self.sin = angles.cos(), angles.sin()
@@ -272,9 +316,9 @@ class TorchEngine(Engine, nn.Module):
             audio = layer(audio, cos, sin, pos, mask)
         if not all_logits:
             text, audio = text[:, -1], audio[:, -1]
-        eps = self.spec.rms_norm_eps
-        text_logits = self.lm_head(rms_norm(text, self.ln_f, eps)).float() if need_text else None
-        return text_logits, self.audio_lm_head(rms_norm(audio, self.audio_ln_f, eps)).float()
+        eps, fused = self.spec.rms_norm_eps, self.options.gemv
+        text_logits = project(text, self.lm_head.args(), fused, self.ln_f, eps).float() if need_text else None
+        return text_logits, project(audio, self.audio_lm_head.args(), fused, self.audio_ln_f, eps).float()
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,111 @@
+"""The fused Triton GEMV (run by Triton's interpreter here) against torch, alone and inside the engine."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workflow import fp8, trtckpt
+from workflow.engines import gemv
+from workflow.engines.torch_engine import TorchEngine, rms_norm
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason="needs triton")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("block", [(16, 64, 4), (8, 32, 4)])
+def test_norm_matmul_residual_in_float32_equals_torch(rows, block):
+    """K and N not multiples of the blocks: the masked edges count too."""
+    k, n = 200, 37
+    x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
+    got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block)
+    assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
+    assert torch.allclose(gemv.launch(x, w, torch.float32, block=block), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
+    return 2.0 ** (torch.frexp(t.abs().clamp_min(1e-30)).exponent - 8).double()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
+def test_bf16_rounds_like_torch():
+    """bf16 in and out, as `x + F.linear(rms_norm(h))` rounds: the normed input exactly, the
+    product rounded to bf16, then the residual added and rounded again. Only the order of the
+    float32 sums differs, so the result is torch's within one ulp of the product, and mostly
+    bit-identical."""
+    k, n = 256, 64
+    x, w = torch.randn(2, k, dtype=torch.bfloat16), (torch.randn(n, k) / 16).to(torch.bfloat16)
+    g, r = (torch.rand(k) + 0.5).to(torch.bfloat16), torch.randn(2, n, dtype=torch.bfloat16)
+    x, w, g, r = (t.cuda() for t in (x, w, g, r))
+    got = gemv.launch(x, w, torch.bfloat16, norm=g, eps=1e-6, residual=r, block=(16, 64, 4)).double()
+    product = F.linear(rms_norm(x, g, 1e-6).float(), w.float())
+    want = (product.to(torch.bfloat16) + r).double()
+    assert ((got - want).abs() <= ulp_bf16(product) + ulp_bf16(want) / 2).all()
+    assert (got == want).float().mean() > 0.9
+
+
+def test_fp8_parts_take_their_own_scale():
+    """fc|gate fused: each half of the rows has its own weight scale, as two _scaled_mm would."""
+    k, n = 128, 32
+    w, a, ws = torch.randn(n, k), torch.tensor([0.02]), torch.tensor([0.004, 0.01])
+    w8 = torch.cat([fp8.quantize(w[: n // 2], ws[:1]), fp8.quantize(w[n // 2 :], ws[1:])])
+    xq = fp8.quantize(torch.randn(1, k), a)
+    got = gemv.launch(xq, w8, torch.float32, scale=a * ws, block=(8, 64, 4))
+    deq = torch.cat([w8[: n // 2].double() * ws[0].item(), w8[n // 2 :].double() * ws[1].item()])
+    assert torch.allclose(got.double(), (xq.double() * a.item()) @ deq.t(), rtol=1e-5, atol=1e-6)
+
+
+def test_too_many_rows_is_refused():
+    with pytest.raises(ValueError, match="at most"):
+        gemv.launch(torch.randn(gemv.MAX_M + 1, 8), torch.randn(4, 8), torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _wide_head_blocks():
+    """The heads (151 k rows) in 512-row programs: the interpreter's cost is per program."""
+    saved = dict(gemv.BLOCKS)
+    for vocab in (151680, 16512):
+        gemv.BLOCKS[gemv.key(vocab, 128, 4)] = (512, 128, 4)
+    yield
+    gemv.BLOCKS.clear()
+    gemv.BLOCKS.update(saved)
+
+
+def engines(engine_dir):
+    """The same checkpoint twice: plain, and with decode through the GEMV."""
+    meta_opts = {"device": "cpu", "dtype": "float32", "max_batch": 4, "max_seq_len": 256}
+    _, spec, tensors = trtckpt.load_checkpoint(engine_dir)
+    from workflow.engines.torch_engine import EngineOptions
+
+    opts = EngineOptions(**meta_opts)
+    return TorchEngine(spec, tensors, opts), TorchEngine(spec, tensors, dataclasses.replace(opts, gemv=True))
+
+
+def test_gemv_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf):
+    """Through the whole tiny model, both heads, across modality switches: against transformers."""
+    from test_engine import assert_decode_matches_reference
+
+    from workflow.download import load_hf_state
+    from workflow.reference import MossSpeechReference
+    from workflow.spec import load_spec
+
+    ref = MossSpeechReference(load_spec(tiny_hf), load_hf_state(tiny_hf), torch.float32, "cpu")
+    _, fused = engines(tiny_engine_dir)
+    assert_decode_matches_reference(fused, ref, batch=2, prompt_len=20, steps=6, seed=31)
+
+
+def test_fp8_gemv_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir):
+    """FP8 trunk: the kernel reads fp8 weights and FP8-rounded inputs; the emulation computes
+    the same function in float32 through dequantized weights (checked against modelopt)."""
+    from workflow import traffic
+    from workflow.generate import Ids
+
+    plain, fused = engines(tiny_fp8_engine_dir)
+    ids = Ids.of(plain.spec)
+    prompt, follow = traffic.batch(1, 24, ids, seed=5), traffic.batch(1, 5, ids, seed=6)
+    for e in (plain, fused):
+        e.prefill(prompt)
+    for t in range(follow.shape[1]):
+        (pt, pa), (ft, fa) = plain.decode(follow[:, t]), fused.decode(follow[:, t])
+        assert (pt - ft).abs().max() < 1e-4 and (pa - fa).abs().max() < 1e-4
