@@ -28,6 +28,20 @@ def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
     return 2.0 ** (torch.frexp(t.abs().clamp_min(1e-30)).exponent - 8).double()
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_mul_prologue_reads_gate_and_up_halves(rows):
+    """proj's input is silu(gate) * up of gate_up's output [gate | up]: the kernel reads both halves."""
+    k, n = 160, 24
+    gu, w, r = torch.randn(rows, 2 * k), torch.randn(n, k) / 16, torch.randn(rows, n)
+    got = gemv.launch(gu, w, torch.float32, residual=r, silu_mul=True, block=(8, 64, 4))
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.allclose(got, r + F.linear(F.silu(gate) * up, w), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="columns"):
+        gemv.launch(gate, w, torch.float32, silu_mul=True)
+    with pytest.raises(ValueError, match="do not combine"):
+        gemv.launch(gu, w, torch.float32, norm=torch.ones(k), silu_mul=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
 def test_bf16_rounds_like_torch():
     """bf16 in and out, as `x + F.linear(rms_norm(h))` rounds: the normed input exactly, the

@@ -38,7 +38,14 @@ def available() -> bool:
 
 
 BLOCKS: dict[str, tuple[int, int, int]] = {}  # "NxK:bytes" -> (BLOCK_N, BLOCK_K, num_warps), from `tune`
-CANDIDATES = [(bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)]
+BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
+BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
+
+
+def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int]]:
+    """Block shapes worth timing: 8 to 64 KB of weights per program and step."""
+    ks = [bk for bk in BLOCK_K_CHOICES[weight_bytes] if bk <= triton.next_power_of_2(k)]
+    return [(bn, bk, w) for bn in BLOCK_N_CHOICES for bk in ks for w in WARPS_CHOICES]
 
 
 def key(n: int, k: int, weight_bytes: int) -> str:
@@ -63,9 +70,7 @@ def tune(weights: list[torch.Tensor], reps: int = 50) -> dict[str, tuple[int, in
         x = torch.randn(1, k, device=w.device).to(w.dtype)
         scale = torch.ones(1, device=w.device) if w.element_size() == 1 else None
         times = {}
-        for block in CANDIDATES:
-            if block[1] > triton.next_power_of_2(k):
-                continue
+        for block in candidates(k, w.element_size()):
             run = lambda: launch(x, w, torch.bfloat16, scale=scale, block=block)  # noqa: B023, E731
             run()  # compile the kernel outside the capture
             graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
@@ -90,7 +95,7 @@ if triton is not None:
     def _gemv(
         x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
         M, N, rows_per_part, eps,
-        K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+        K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
@@ -104,15 +109,22 @@ if triton is not None:
                 ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        stride = 2 * K if SILU_MUL else K  # SILU_MUL: each row of x is [gate | up]
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + rm[:, None] * stride + rk[None, :], mask=x_ok, other=0.0)
+            if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
+                up = tl.load(x_ptr + rm[:, None] * stride + K + rk[None, :], mask=x_ok, other=0.0)
+                gf = x.to(tl.float32)
+                x = ((gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
             if NORM:  # (x * rstd) rounded to x's dtype, then times the weight, rounded again
                 g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
                 xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
                 x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = n_ok[:, None] & k_ok[None, :]  # weights are read once: keep them out of L2's way
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rn // rows_per_part, mask=n_ok, other=0.0)[None, :]
@@ -133,13 +145,19 @@ def launch(
     norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
     block: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
-    MAX_M rows. norm: the RMSNorm weight to apply to x first; scale: float32 [parts] (FP8);
-    block: (BLOCK_N, BLOCK_K, num_warps), else `config_for` the shape."""
-    shape, k, n = x.shape, x.shape[-1], w.shape[0]
-    x = x.reshape(-1, k).contiguous()  # the kernel assumes dense rows (a head's x[:, -1] is not)
+    MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
+    up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); block: (BLOCK_N,
+    BLOCK_K, num_warps), else `config_for` the shape."""
+    if norm is not None and silu_mul:
+        raise ValueError("gemv: norm and silu_mul do not combine")
+    shape, k, n = x.shape, w.shape[1], w.shape[0]
+    if x.shape[-1] != (2 * k if silu_mul else k):
+        raise ValueError(f"gemv: x has {x.shape[-1]} columns for a weight of {k}{' (x2: silu_mul)' if silu_mul else ''}")
+    x = x.reshape(-1, x.shape[-1]).contiguous()  # dense rows (a head's x[:, -1] is not)
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
@@ -150,7 +168,7 @@ def launch(
     _gemv[(triton.cdiv(n, block_n),)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, n // parts, eps,
-        K=k, NORM=norm is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+        K=k, NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
@@ -167,10 +185,11 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
         norm: torch.Tensor | None = None,
         eps: float = 1e-6,
         residual: torch.Tensor | None = None,
+        silu_mul: bool = False,
     ) -> torch.Tensor:
         """`launch` with the tuned block shape."""
-        return launch(x, w, out_dtype, scale, norm, eps, residual)
+        return launch(x, w, out_dtype, scale, norm, eps, residual, silu_mul)
 
     @gemv.register_fake
-    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None):
+    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False):
         return x.new_empty(*x.shape[:-1], w.shape[0], dtype=out_dtype)

@@ -98,16 +98,25 @@ def project(
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """[residual +] linear([rms_norm](x)). With `fused` and few rows (decode), one GEMV kernel
-    does it all; FP8 quantizes x first (the norm then runs here, fused by torch.compile)."""
+    """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
+    silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
+    kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile)."""
     if fused and x.numel() // x.shape[-1] <= gemv.MAX_M:
         if lin.a_scale is None:
-            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual)
-        xq = fp8.quantize(x if norm is None else rms_norm(x, norm, eps), lin.a_scale)
+            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul)
+        xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
         return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
-    y = linear(x if norm is None else rms_norm(x, norm, eps), lin.weight, lin.a_scale, lin.w_scale)
+    y = linear(prologue(x, norm, eps, silu_mul), lin.weight, lin.a_scale, lin.w_scale)
     return y if residual is None else residual + y
+
+
+def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: bool) -> torch.Tensor:
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x if norm is None else rms_norm(x, norm, eps)
 
 
 class Linear(nn.Module):
@@ -184,8 +193,7 @@ def layer_step(
         kv_len = mask.shape[-1]
         y = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=True)
     h = project(y.transpose(1, 2).reshape(b, t, -1), dense, fused, residual=x)
-    gate, up = project(h, gate_up, fused, norms[1], eps).chunk(2, dim=-1)
-    return project(F.silu(gate) * up, proj, fused, residual=h)
+    return project(project(h, gate_up, fused, norms[1], eps), proj, fused, residual=h, silu_mul=True)
 
 
 class Layer(nn.Module):
