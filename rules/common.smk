@@ -37,8 +37,9 @@ def schema_problem(error):
     cause = error.__context__  # what snakemake's validate caught and wrapped
     if not isinstance(cause, ValidationError):
         return str(error)
-    where = ".".join(str(k) for k in cause.absolute_path)
-    return f"config: {where + ': ' if where else ''}{cause.message}"
+    keys = [str(k) for k in cause.absolute_path]
+    where = f"{'.'.join(keys)}: " if keys else ""
+    return f"config: {where}{cause.message}"
 
 
 config.update(typed(config))
