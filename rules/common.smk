@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from jsonschema import ValidationError
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
@@ -30,8 +31,22 @@ def typed(value):
     return value
 
 
+def schema_problem(error):
+    """Snakemake's multi-line schema error as the one line every other config problem gets:
+    `config: <key path>: <problem>`."""
+    cause = error.__context__  # what snakemake's validate caught and wrapped
+    if not isinstance(cause, ValidationError):
+        return str(error)
+    keys = [str(k) for k in cause.absolute_path]
+    where = f"{'.'.join(keys)}: " if keys else ""
+    return f"config: {where}{cause.message}"
+
+
 config.update(typed(config))
-validate(config, "../config/config.schema.yaml")
+try:
+    validate(config, "../config/config.schema.yaml")
+except WorkflowError as e:
+    raise WorkflowError(schema_problem(e)) from None
 
 try:
     SOURCE = parse_source(config["model"]["source"])

@@ -1,12 +1,21 @@
-"""Streaming arithmetic on a fake clock, and the fail-closed checks."""
+"""Streaming arithmetic on a fake clock, the detokenizer in line and overlapped (CUDA), the
+event-to-host-time arithmetic, the overlap switch in the config, and the fail-closed checks."""
 
+import random
+from pathlib import Path
+
+import jsonschema
 import pytest
 import torch
+import yaml
 from test_generate import IDS, Scripted
 
-from workflow.stream import Chunk, Timeline, audio_seconds, check_stream, run_stream
+from workflow.detokenize import Inline, host_time, overlaps
+from workflow.stream import Chunk, Timeline, audio_seconds, check_stream, device_clock, run_stream
 from workflow.traffic import speech_prompt
 from workflow.vocoder import MelStandIn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HOP, SPT = 256, 1920  # 24 kHz: 80 ms = 1920 samples
 
@@ -35,10 +44,12 @@ class TimedScript(Scripted):
         return super().decode(tokens, need_text)
 
 
-def make_stream(num_tokens=10, chunk=5):
+def make_stream(num_tokens=10, chunk=5, overlap=False, outputs=None):
+    """A stream on the fake clock; `outputs` collects each vocoder call's waveform."""
     clock = FakeClock()
     engine = TimedScript(clock, [7 + i for i in range(num_tokens + 1)])
     mel = MelStandIn(IDS.eosp + 1, 8, 24000 / HOP, torch.device("cpu"))
+    noise = torch.Generator().manual_seed(0)
 
     def mel_stage(codes, done):
         clock.t += 0.001
@@ -46,10 +57,13 @@ def make_stream(num_tokens=10, chunk=5):
 
     def vocoder(m):
         clock.t += 0.020
-        return torch.randn(m.shape[0], 1, m.shape[2] * HOP)
+        wav = torch.randn(m.shape[0], 1, m.shape[2] * HOP, generator=noise)
+        if outputs is not None:
+            outputs.append(wav)
+        return wav
 
     prompt = speech_prompt(1, 8, IDS, seed=0)
-    return run_stream(engine, mel_stage, vocoder, prompt, num_tokens, chunk, SPT, IDS, clock)
+    return run_stream(engine, mel_stage, vocoder, prompt, num_tokens, chunk, SPT, IDS, clock, overlap=overlap)
 
 
 def test_ttfa_rtf_and_stages_on_a_fake_clock():
@@ -107,3 +121,173 @@ def test_mel_stand_in_covers_exactly_80_ms_per_code():
     codes = torch.randint(0, 100, (2, 50))
     total = sum(mel(codes[:, i : i + 5], i).shape[2] for i in range(0, 50, 5))
     assert total == mel.frames(50) == 375  # 50 x 80 ms x 93.75 frames/s
+
+
+# --- the detokenizer in line -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", [10, 12])
+def test_inline_pcm_is_the_vocoder_output_cut_at_80_ms_a_code(num_tokens):
+    """Each chunk emits exactly its codes x 80 ms of the waveform vocoded so far, carrying the
+    hop-aligned rest over: the whole stream is the vocoders' output joined and cut to length."""
+    outputs = []
+    timeline, audio = make_stream(num_tokens=num_tokens, outputs=outputs)
+    assert torch.equal(audio, torch.cat(outputs, dim=2)[:, 0, : num_tokens * SPT])
+    assert [c.tokens for c in timeline.chunks] == [5] * (num_tokens // 5) + ([num_tokens % 5] if num_tokens % 5 else [])
+
+
+def test_overlap_on_the_cpu_runs_in_line_exactly_as_without_it():
+    plain, plain_audio = make_stream(num_tokens=12)
+    asked, asked_audio = make_stream(num_tokens=12, overlap=True)
+    assert torch.equal(plain_audio, asked_audio)
+    assert asked == plain  # every timestamp, on the same fake clock
+    assert not overlaps(True, torch.device("cpu")) and not overlaps(False, torch.device("cuda"))
+    assert overlaps(True, torch.device("cuda"))
+
+
+def test_inline_times_each_stage_with_the_clock():
+    clock = FakeClock()
+
+    def mel(codes, done):
+        clock.t += 0.002
+        return torch.zeros(codes.shape[0], 4, 8)
+
+    def vocoder(m):
+        clock.t += 0.030
+        return torch.ones(m.shape[0], 1, 3 * SPT)
+
+    detok = Inline(mel, vocoder, SPT, 2, torch.device("cpu"), clock)
+    clock.t = 1.0
+    assert detok.start() == 1.0
+    detok.submit(torch.zeros(2, 2, dtype=torch.long), 0, t_start=1.0)
+    chunks, pcm = detok.finish()
+    assert chunks == [Chunk(2, 1.0, pytest.approx(1.002), pytest.approx(1.032))]
+    assert pcm.shape == (2, 2 * SPT)
+
+
+def test_the_cpu_clock_reads_perf_counter_whatever_the_stream_setting():
+    for stream_only in (False, True):
+        clock = device_clock(torch.device("cpu"), stream_only)
+        a, b = clock(), clock()
+        assert 0 <= b - a < 1.0
+
+
+# --- events to host time -----------------------------------------------------------------
+
+
+def test_host_time_adds_the_elapsed_gpu_time_to_the_anchor():
+    assert host_time(100.0, 0.0) == 100.0
+    assert host_time(100.0, 250.0) == pytest.approx(100.25)
+    assert host_time(2.5, 1.5) == pytest.approx(2.5015)
+
+
+def test_host_time_is_never_earlier_than_the_truth():
+    """The anchor completes on the GPU at a (true, host-clock) time; the host reads its clock
+    only after seeing that, `delay` later. An event `elapsed` after the anchor really happened
+    at a + elapsed: the derived time is late by exactly the delay, never early."""
+    rng = random.Random(0)
+    for _ in range(1000):
+        anchor_done = rng.uniform(0, 1e4)
+        delay = rng.choice([0.0, rng.uniform(0, 1e-3)])  # the synchronisation's wake-up
+        elapsed_ms = rng.uniform(0, 5e3)
+        truth = anchor_done + elapsed_ms / 1e3
+        derived = host_time(anchor_done + delay, elapsed_ms)
+        assert derived >= truth - 1e-9 * max(1.0, truth)  # float rounding only
+        assert derived - truth == pytest.approx(delay, abs=1e-9 * max(1.0, truth))
+
+
+# --- the switch in the config ------------------------------------------------------------
+
+
+def _config_with(**vocoder):
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    config["benchmark"]["vocoder"] |= vocoder
+    return config
+
+
+def _schema():
+    return yaml.safe_load((ROOT / "config" / "config.schema.yaml").read_text())
+
+
+def test_overlap_is_on_by_default_and_a_boolean_in_the_schema():
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    assert config["benchmark"]["vocoder"]["overlap"] is True
+    overlap = _schema()["properties"]["benchmark"]["properties"]["vocoder"]["properties"]["overlap"]
+    assert overlap["type"] == "boolean" and overlap["default"] is True and overlap["description"]
+    full = yaml.safe_load((ROOT / "config" / "full.yaml").read_text())
+    assert "overlap" not in full["benchmark"]["vocoder"]  # inherits the default
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_the_schema_takes_a_boolean_overlap(value):
+    jsonschema.validate(_config_with(overlap=value), _schema())
+
+
+@pytest.mark.parametrize("value", ["maybe", "yes", 1, 0, None, [True]])
+def test_the_schema_refuses_an_overlap_that_is_not_a_boolean(value):
+    with pytest.raises(jsonschema.ValidationError, match="is not of type 'boolean'") as e:
+        jsonschema.validate(_config_with(overlap=value), _schema())
+    assert list(e.value.absolute_path) == ["benchmark", "vocoder", "overlap"]
+
+
+# --- overlapped on CUDA: the same PCM, bit for bit ----------------------------------------
+
+CUDA = torch.device("cuda")
+
+
+class BusyScript(Scripted):
+    """A scripted engine on CUDA whose every step does a few ms of matmuls, allocating and
+    freeing memory on the decoding stream while the side stream vocodes."""
+
+    def __init__(self, codes, batch):
+        super().__init__([(0, c) for c in codes])
+        self.device, self.max_batch = CUDA, batch
+        self.w = torch.randn(2048, 2048, device=CUDA)
+
+    def _logits(self):
+        x = torch.randn(2048, 2048, device=CUDA)
+        for _ in range(8):
+            x = torch.tanh(x @ self.w)
+        t, a = (z.to(CUDA).expand(self.max_batch, -1).contiguous() for z in super()._logits())
+        return t + 0 * x[0, 0], a
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_pcm_equals_inline_pcm_bit_for_bit_and_decoding_does_not_wait():
+    from workflow.vocoder import Graphed, load_bigvgan
+
+    model, info = load_bigvgan("bigvgan_v2_24khz_100band_256x", None, CUDA, torch.bfloat16)
+    graphed = Graphed(model, CUDA)
+    mel = MelStandIn(IDS.eosp + 1, info.num_mels, info.sampling_rate / info.hop, CUDA)
+    spt = round(0.08 * info.sampling_rate)
+
+    def vocode(m):
+        return graphed(m.to(torch.bfloat16))
+
+    num_tokens, chunk = 22, 5  # 4 full chunks and a partial one: 37, 38 and 19 frames
+    prompt = speech_prompt(2, 8, IDS, seed=0)
+    codes = [7 + (i * 37) % 1000 for i in range(num_tokens + 1)]
+    results = {}
+    for overlap in (False, True, False, True):  # the first two capture the vocoder's graphs
+        clock = device_clock(CUDA, stream_only=overlap)
+        engine = BusyScript(codes, batch=2)
+        timeline, audio = run_stream(engine, mel, vocode, prompt, num_tokens, chunk, spt, IDS, clock, overlap=overlap)
+        t_end = clock()
+        assert check_stream(timeline, audio, num_tokens, chunk, spt) == []
+        results[overlap] = timeline, audio, t_end
+    (inline, inline_audio, _), (over, over_audio, t_end) = results[False], results[True]
+    assert torch.equal(inline_audio, over_audio)
+    assert inline_audio.device.type == over_audio.device.type == "cuda"
+
+    # the events put every chunk in order on the host clock, within the request
+    previous = over.t_request
+    for c in over.chunks:
+        assert previous <= c.t_ready and c.t_start <= c.t_mel <= c.t_ready <= t_end
+        previous = c.t_ready
+    assert over.wall_s() == over.chunks[-1].t_ready - over.t_request > 0
+    # in line, a chunk's step resumes decoding after its PCM is ready; overlapped, at once
+    chunk_steps = [i for i, t in enumerate(over.t_tokens) if any(c.t_start == t for c in over.chunks)]
+    waits = [over.t_resume[i] - over.t_tokens[i] for i in chunk_steps]
+    vocoder_s = [c.t_ready - c.t_mel for c in inline.chunks]
+    assert max(waits) < min(vocoder_s), (waits, vocoder_s)
+    assert over.wall_s() < inline.wall_s()

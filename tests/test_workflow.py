@@ -67,6 +67,19 @@ def test_bad_source_fails_before_any_job(tmp_path):
     assert "unknown source 'ftp://x'" in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize(
+    ("setting", "line"),
+    [
+        ("benchmark={vocoder: {overlap: maybe}}", "config: benchmark.vocoder.overlap: 'maybe' is not of type 'boolean'"),
+        ("benchmark={runs: 0}", "config: benchmark.runs: 0 is less than the minimum of 1"),
+    ],
+)
+def test_a_value_the_schema_refuses_is_one_line_naming_the_key(tmp_path, setting, line):
+    r = Workflow(ROOT, tmp_path).run("-n", "--config", setting)
+    assert r.returncode != 0
+    assert line in (r.stdout + r.stderr).splitlines()
+
+
 # --- resources -----------------------------------------------------------------------------
 
 
@@ -142,6 +155,10 @@ def test_benchmark_json_keeps_its_schema_and_plots(chain):
     assert set(bench["streams"]["engine"]) == {"1", "4"} and set(bench["streams"]["eager_baseline"]) == {"1"}
     assert bench["floors"]["decode_audio_mode_ms"] < bench["floors"]["decode_text_mode_ms"]
     assert bench["mel_stage"].startswith("STAND-IN") and bench["vocoder"]["weights"] == "random"
+    # overlap is asked for by default but has no effect on the CPU, and the file says so
+    assert bench["settings"]["vocoder"]["overlap"] is True
+    assert {r["overlap"] for per_n in bench["streams"].values() for r in per_n.values()} == {False}
+    assert "Detokenizer: in line with decoding" in (out / "benchmark.md").read_text()
     for png in ("timeline.png", "latency_cdf.png", "concurrency.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     del bench["summary"]["rtf"]

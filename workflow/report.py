@@ -38,7 +38,12 @@ def markdown(b: dict) -> str:
         f"codes ({st['num_tokens'] * 0.08:.1f} s of audio) per stream, {st['sampling']} sampling; a chunk every "
         f"{st['chunk_tokens']} codes; {st['warmup']} warm-up + {st['runs']} measured runs. Vocoder: "
         f"{b['vocoder']['name']} ({b['vocoder']['weights']} weights, {b['vocoder']['parameters'] / 1e6:.1f} M params, "
-        f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}). Mel stage: {b['mel_stage']}.",
+        f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}). Mel stage: {b['mel_stage']}. Detokenizer: "
+        + (
+            "on a second CUDA stream, overlapped with decoding (chunk times from CUDA events)."
+            if b["streams"]["engine"]["1"]["overlap"]
+            else "in line with decoding (decoding waits for it)."
+        ),
         "",
         f"Measured here: copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s, matmul {m['matmul_peak_TFLOPs']:.1f} TFLOP/s.",
         "",
@@ -71,7 +76,11 @@ def markdown(b: dict) -> str:
     ]
     for name, per_n in b["streams"].items():
         lines += [_row(name, n, r) for n, r in per_n.items()]
-    lines += ["", "Token ms is request-loop time per step (engine step, sampling, host work), vocoder time excluded."]
+    lines += [
+        "",
+        "Token ms is request-loop time per step (engine step, sampling, host work), vocoder time excluded; "
+        "overlapped, a step that runs beside a chunk's vocoder shares the GPU with it.",
+    ]
     return "\n".join(lines) + "\n"
 
 

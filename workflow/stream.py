@@ -1,35 +1,48 @@
 """One streaming speech request, timed: prompt -> prefill -> audio codes one step at a time
 through the real modality-switching loop -> every K codes a chunk through the detokenizer.
 
-Every timestamp is taken after a device synchronisation (the `clock` does both), so it means
+Every decode timestamp is taken after a synchronisation (the `clock` does both), so it means
 "this work is done". Time to first audio is request -> first PCM chunk ready; RTF is wall time
-over seconds of audio produced (codes x 80 ms). The detokenizer runs in line with decoding
-(no overlap), which is what a single-stream server without a separate vocoder stream does.
+(request -> last chunk's PCM ready) over seconds of audio produced (codes x 80 ms). The
+detokenizer (`workflow.detokenize`) runs either in line with decoding, each chunk timed by the
+clock, which synchronises the whole device (a one-stream server; always so on the CPU), or,
+with `benchmark.vocoder.overlap` on CUDA, on a second stream overlapped with the next decode
+steps: then the clock synchronises only the decoding stream, and each chunk's times come from
+CUDA events, put on the same host clock and never earlier than the truth.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from workflow import roofline
+from workflow.detokenize import Chunk, Clock, Mel, Vocoder, detokenizer
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling, generate
-from workflow.vocoder import SECONDS_PER_TOKEN, MelStandIn
+from workflow.vocoder import SECONDS_PER_TOKEN
 
-Clock = Callable[[], float]
+__all__ = ["Chunk", "Timeline", "audio_seconds", "check_stream", "device_clock", "run_stream"]
 GREEDY = Sampling(greedy=True)
 
 
-@dataclass
-class Chunk:
-    tokens: int  # codes in this chunk
-    t_start: float  # its last code was sampled
-    t_mel: float  # stage 1 done
-    t_ready: float  # PCM ready
+def device_clock(device: torch.device, stream_only: bool = False) -> Clock:
+    """perf_counter after a synchronisation: of the whole device, or with stream_only of the
+    current (decoding) stream alone, so that with the detokenizer overlapped on a side stream
+    a decode timestamp does not wait for the vocoder."""
+
+    def clock() -> float:
+        if stream_only and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        else:
+            roofline.sync(device)
+        return time.perf_counter()
+
+    return clock
 
 
 @dataclass
@@ -43,7 +56,11 @@ class Timeline:
     chunks: list[Chunk] = field(default_factory=list)
 
     def stages(self) -> dict[str, list[float]]:
-        """Per-stage durations in ms: prefill, each decode step, each chunk's mel and vocoder."""
+        """Per-stage durations in ms: prefill, each decode step, each chunk's mel and vocoder.
+
+        A chunk's mel time runs from its last code sampled; overlapped, that includes any wait
+        behind the previous chunk on the side stream, and a decode step or vocoder that runs
+        beside the other shares the GPU with it: each is what a listener would see."""
         decode = [1e3 * (t - r) for t, r in zip(self.t_tokens[1:], self.t_resume[:-1], strict=True)]
         return {
             "prefill_ms": [1e3 * (self.t_prefill - self.t_request)],
@@ -87,8 +104,8 @@ class _Timed(Engine):
 
 def run_stream(
     engine: Engine,
-    mel: MelStandIn,
-    vocoder: Callable[[torch.Tensor], torch.Tensor],
+    mel: Mel,
+    vocoder: Vocoder,
     prompt: torch.Tensor,
     num_tokens: int,
     chunk_tokens: int,
@@ -97,37 +114,33 @@ def run_stream(
     clock: Clock,
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
+    overlap: bool = False,
 ) -> tuple[Timeline, torch.Tensor]:
     """Stream `num_tokens` audio codes for each prompt row; returns the timeline and the PCM
-    [B, num_tokens * samples_per_token]: each chunk emits exactly its codes x 80 ms."""
-    timeline = Timeline(t_request=clock())
+    [B, num_tokens * samples_per_token]: each chunk emits exactly its codes x 80 ms.
+
+    With overlap on CUDA the detokenizer runs on a side stream; `clock` must then synchronise
+    the current stream only (`device_clock(device, stream_only=True)`)."""
+    detok = detokenizer(mel, vocoder, samples_per_token, prompt.shape[0], engine.device, clock, overlap)
+    timeline = Timeline(t_request=detok.start())
     codes: list[torch.Tensor] = []
-    pcm: list[torch.Tensor] = []
-    spare = torch.zeros(prompt.shape[0], 0, device=engine.device)  # vocoded, not yet emitted
     done = 0
 
     def on_step(step: int, tokens: torch.Tensor, audio_mode: torch.Tensor) -> None:
-        nonlocal done, spare
+        nonlocal done
         timeline.t_tokens.append(clock())
         if audio_mode.all():
             codes.append(tokens[:, 1])
         pending = len(codes) - done
         if pending == chunk_tokens or (step == num_tokens - 1 and pending):
-            chunk = torch.stack(codes[done:], dim=1)
-            t_start = timeline.t_tokens[-1]
-            m = mel(chunk, done)
-            t_mel = clock()
-            # frames come hop-aligned, 7.5 per code: emit exactly 80 ms per code, keep the rest
-            wav = torch.cat([spare, vocoder(m)[:, 0].float()], dim=1)
-            pcm.append(wav[:, : pending * samples_per_token])
-            spare = wav[:, pending * samples_per_token :]
-            timeline.chunks.append(Chunk(pending, t_start, t_mel, clock()))
+            detok.submit(torch.stack(codes[done:], dim=1), done, timeline.t_tokens[-1])
             done += pending
         timeline.t_resume.append(clock())
 
     engine = _Timed(engine, clock, timeline)
     generate(engine, prompt, num_tokens, ids, sampling, generator, min_speech_tokens=num_tokens, on_step=on_step)
-    return timeline, torch.cat(pcm, dim=1) if pcm else torch.zeros(prompt.shape[0], 0)
+    timeline.chunks, audio = detok.finish()
+    return timeline, audio
 
 
 def check_stream(

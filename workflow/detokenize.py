@@ -1,0 +1,167 @@
+"""The detokenizer stage of a stream, two ways: in line with decoding, or overlapped with it on
+a second CUDA stream.
+
+Each chunk of K codes goes codes -> mel -> vocoder -> PCM of exactly K x 80 ms (frames come
+hop-aligned, so a few samples carry over to the next chunk). The figures mean the same either
+way: a chunk's t_mel is "its mel is done", t_ready "its PCM is ready". How they are read
+differs:
+
+- Inline: the stage runs on the decoding stream, each time read by the clock (which
+  synchronises first), so decoding waits for the vocoder: what a one-stream server does, and
+  the only way on the CPU.
+- Overlapped (CUDA): the stage is enqueued on a side stream that first waits for the decoding
+  stream (so the codes are ready), and decoding goes on at once. Its times come from CUDA
+  events recorded on the side stream after the mel and after the PCM, read once the request's
+  work is all done and put on the host clock through an anchor event (`host_time`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+Clock = Callable[[], float]
+Mel = Callable[[torch.Tensor, int], torch.Tensor]  # (codes [B, K], codes before them) -> mel [B, M, F]
+Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel [B, M, F] -> waveform [B, 1, F x hop]
+
+
+@dataclass
+class Chunk:
+    tokens: int  # codes in this chunk
+    t_start: float  # its last code was sampled
+    t_mel: float  # stage 1 done
+    t_ready: float  # PCM ready
+
+
+def overlaps(overlap: bool, device: torch.device) -> bool:
+    """Whether `benchmark.vocoder.overlap` takes effect: only on CUDA (the CPU has one stream)."""
+    return overlap and device.type == "cuda"
+
+
+def host_time(t_anchor: float, elapsed_ms: float) -> float:
+    """The host-clock time of a CUDA event recorded `elapsed_ms` after the anchor event.
+
+    t_anchor is read on the host after the anchor event was seen complete, so it is no earlier
+    than the anchor's completion on the GPU; the event's derived time is therefore never
+    earlier than its true time (conservative: late by the anchor's synchronisation delay,
+    microseconds, plus the events' ~0.5 us resolution and any GPU/host clock drift over one
+    request, parts per million).
+    """
+    return t_anchor + elapsed_ms / 1e3
+
+
+@dataclass
+class _Pcm:
+    """The stream's PCM so far: each chunk emits exactly its codes x samples_per_token, and the
+    rest of its hop-aligned waveform carries over to the next."""
+
+    spare: torch.Tensor  # [B, n] vocoded, not yet emitted
+    samples_per_token: int
+    pieces: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, wav: torch.Tensor, codes: int) -> None:
+        """wav [B, 1, S] of a chunk of `codes` codes."""
+        wav = torch.cat([self.spare, wav[:, 0].float()], dim=1)
+        n = codes * self.samples_per_token
+        self.pieces.append(wav[:, :n])
+        self.spare = wav[:, n:]
+
+    def join(self) -> torch.Tensor:
+        if not self.pieces:
+            return torch.zeros(self.spare.shape[0], 0)
+        return torch.cat(self.pieces, dim=1)
+
+
+class Inline:
+    """Mel and vocoder on the decoding stream, each timed by the clock: decoding waits."""
+
+    overlap = False
+
+    def __init__(self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock):
+        self.mel, self.vocoder, self.clock = mel, vocoder, clock
+        self.pcm = _Pcm(torch.zeros(batch, 0, device=device), samples_per_token)
+        self.chunks: list[Chunk] = []
+
+    def start(self) -> float:
+        """The request's time."""
+        return self.clock()
+
+    def submit(self, codes: torch.Tensor, done: int, t_start: float) -> None:
+        """Detokenize codes [B, K] (after `done` earlier codes), whose last was sampled at t_start."""
+        m = self.mel(codes, done)
+        t_mel = self.clock()
+        self.pcm.add(self.vocoder(m), codes.shape[1])
+        self.chunks.append(Chunk(codes.shape[1], t_start, t_mel, self.clock()))
+
+    def finish(self) -> tuple[list[Chunk], torch.Tensor]:
+        """Every chunk's times, and the PCM [B, codes x samples_per_token]."""
+        return self.chunks, self.pcm.join()
+
+
+class Overlapped:
+    """Mel and vocoder on a side CUDA stream, timed by events: decoding does not wait.
+
+    The clock given must synchronise only the current (decoding) stream, or every decode
+    timestamp would wait for the vocoder after all (`stream.device_clock`).
+    """
+
+    overlap = True
+
+    def __init__(self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock):
+        self.mel, self.vocoder, self.clock = mel, vocoder, clock
+        self.main = torch.cuda.current_stream(device)
+        self.side = torch.cuda.Stream(device)
+        self.anchor = torch.cuda.Event(enable_timing=True)
+        self.t_anchor = 0.0
+        with torch.cuda.stream(self.side):
+            self.pcm = _Pcm(torch.zeros(batch, 0, device=device), samples_per_token)
+        self.events: list[tuple[int, float, torch.cuda.Event, torch.cuda.Event]] = []
+        self.inputs: list[torch.Tensor] = []
+
+    def start(self) -> float:
+        """The request's time: the anchor's host time (read after the anchor completed)."""
+        self.anchor.record(self.main)
+        self.anchor.synchronize()
+        self.t_anchor = self.clock()
+        return self.t_anchor
+
+    def submit(self, codes: torch.Tensor, done: int, t_start: float) -> None:
+        """Enqueue codes [B, K] on the side stream and return at once."""
+        self.side.wait_stream(self.main)  # the codes are computed
+        # made on the decoding stream, read on the side one: held until finish() so that the
+        # allocator cannot hand their memory to the decoding stream while the side one reads it
+        self.inputs.append(codes)
+        mel_done, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.side):  # what is allocated here belongs to the side stream
+            m = self.mel(codes, done)
+            mel_done.record(self.side)
+            self.pcm.add(self.vocoder(m), codes.shape[1])
+            ready.record(self.side)
+        self.events.append((codes.shape[1], t_start, mel_done, ready))
+
+    def finish(self) -> tuple[list[Chunk], torch.Tensor]:
+        """Wait for the side stream, join the PCM on the decoding stream, then read the events."""
+        self.main.wait_stream(self.side)
+        pcm = self.pcm.join()  # on the decoding stream, after every chunk
+        self.main.synchronize()  # the side stream's work is done too: it came before
+        self.inputs.clear()
+        at = self.t_anchor
+
+        def t(event: torch.cuda.Event) -> float:
+            return host_time(at, self.anchor.elapsed_time(event))
+
+        chunks = [Chunk(k, t_start, t(m), t(r)) for k, t_start, m, r in self.events]
+        return chunks, pcm
+
+
+Detokenizer = Inline | Overlapped
+
+
+def detokenizer(
+    mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock, overlap: bool
+) -> Detokenizer:
+    """Overlapped where asked for and on CUDA, else in line."""
+    kind = Overlapped if overlaps(overlap, device) else Inline
+    return kind(mel, vocoder, samples_per_token, batch, device, clock)
