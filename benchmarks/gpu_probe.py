@@ -143,7 +143,7 @@ def gemm_times(spec) -> dict:
             "fp8_m16": (per_call_ms(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16)), n * k),  # noqa: B023
         }
         if gemv.available():
-            gemv.tune([w, w8])
+            gemv.tune([(w, ""), (w8, "")])
             x81 = x1.to(torch.float8_e4m3fn)
             row["gemv_bf16_m1"] = (per_call_ms(lambda: gemv.gemv(x1, w, torch.bfloat16)), 2 * n * k)  # noqa: B023
             row["gemv_fp8_m1"] = (per_call_ms(lambda: gemv.gemv(x81, w8, torch.bfloat16, scale=one)), n * k)  # noqa: B023

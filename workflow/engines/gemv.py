@@ -37,46 +37,59 @@ def available() -> bool:
     return triton is not None
 
 
-BLOCKS: dict[str, tuple[int, int, int]] = {}  # "NxK:bytes" -> (BLOCK_N, BLOCK_K, num_warps), from `tune`
+BLOCKS: dict[str, tuple[int, int, int]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps), from `tune`
 BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
 BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
+L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
 def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int]]:
-    """Block shapes worth timing: 8 to 64 KB of weights per program and step."""
+    """Block shapes worth timing: 1 to 64 KB of weights per program and step."""
     ks = [bk for bk in BLOCK_K_CHOICES[weight_bytes] if bk <= triton.next_power_of_2(k)]
     return [(bn, bk, w) for bn in BLOCK_N_CHOICES for bk in ks for w in WARPS_CHOICES]
 
 
-def key(n: int, k: int, weight_bytes: int) -> str:
-    return f"{n}x{k}:{weight_bytes}"
+def flags(norm: bool, silu_mul: bool, residual: bool) -> str:
+    """The prologue and epilogue a call runs with: they change the best block shape (a norm
+    or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
+    return "+".join(name for name, on in (("norm", norm), ("silu", silu_mul), ("res", residual)) if on)
 
 
-def config_for(n: int, k: int, weight_bytes: int) -> tuple[int, int, int]:
+def key(n: int, k: int, weight_bytes: int, fl: str) -> str:
+    return f"{n}x{k}:{weight_bytes}:{fl}"
+
+
+def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an N x K weight: the tuned one, else a default."""
-    return BLOCKS.get(key(n, k, weight_bytes), (8, min(512, triton.next_power_of_2(k)), 4))
+    return BLOCKS.get(key(n, k, weight_bytes, fl), (8, min(512, triton.next_power_of_2(k)), 4))
 
 
-def tune(weights: list[torch.Tensor], reps: int = 50) -> dict[str, tuple[int, int, int]]:
-    """Time every candidate block shape on each distinct weight shape (one row of x, on the
-    weight's own device) and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run
-    once at build on the target GPU, stored with the engine, reloaded by `BLOCKS.update`."""
+def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int]]:
+    """Time every candidate block shape for each (weight, flags) use, one row of x, on the
+    weight's device, and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run once
+    at build on the target GPU, stored with the engine, reloaded by `BLOCKS.update`."""
     found = {}
-    for w in weights:
-        n, k = w.shape
-        name = key(n, k, w.element_size())
+    for w, fl in uses:
+        (n, k), nbytes = w.shape, w.element_size()
+        name = key(n, k, nbytes, fl)
         if name in found:
             continue
-        x = torch.randn(1, k, device=w.device).to(w.dtype)
-        scale = torch.ones(1, device=w.device) if w.element_size() == 1 else None
+        copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
+        x = torch.randn(1, 2 * k if "silu" in fl else k, device=w.device).to(w.dtype)
+        act = torch.bfloat16 if nbytes == 1 else w.dtype
+        args = {
+            "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
+            "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in fl else None,
+            "residual": torch.zeros(1, n, device=w.device, dtype=act) if "res" in fl else None,
+            "silu_mul": "silu" in fl,
+        }
         times = {}
-        for block in candidates(k, w.element_size()):
-            run = lambda: launch(x, w, torch.bfloat16, scale=scale, block=block)  # noqa: B023, E731
-            run()  # compile the kernel outside the capture
+        for block in candidates(k, nbytes):
+            launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
             graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
             with torch.cuda.graph(graph):
-                for _ in range(reps):
-                    run()
+                for i in range(reps):
+                    launch(x, copies[i % len(copies)], act, block=block, **args)
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -85,6 +98,7 @@ def tune(weights: list[torch.Tensor], reps: int = 50) -> dict[str, tuple[int, in
             end.synchronize()
             times[block] = start.elapsed_time(end) / reps
         found[name] = min(times, key=times.get)
+        del copies
     BLOCKS.update(found)
     return found
 
@@ -161,7 +175,7 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    block_n, block_k, warps = block or config_for(n, k, w.element_size())
+    block_n, block_k, warps = block or config_for(n, k, w.element_size(), flags(norm is not None, silu_mul, residual is not None))
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1

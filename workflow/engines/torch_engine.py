@@ -290,9 +290,8 @@ class TorchEngine(Engine, nn.Module):
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
         self.gemv_blocks = dict(options.gemv_blocks or {})
         if options.gemv and self.device.type == "cuda":
-            if not self.gemv_blocks:  # first load (build): choose each shape's blocks on this GPU
-                args = [m.args() for m in self.modules() if isinstance(m, Linear)]
-                self.gemv_blocks = gemv.tune([a.weight if a.fp8_weight is None else a.fp8_weight for a in args])
+            if not self.gemv_blocks:  # first load (build): choose each use's blocks on this GPU
+                self.gemv_blocks = gemv.tune(self.gemv_uses())
             gemv.BLOCKS.update({k: tuple(v) for k, v in self.gemv_blocks.items()})
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
@@ -306,6 +305,23 @@ class TorchEngine(Engine, nn.Module):
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
         self.static_ids: dict[tuple[int, int], torch.Tensor] = {}  # (batch, tokens) -> input buffer
+
+    def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
+        """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
+        (see `project`: FP8 inputs arrive normed and quantized, so no prologue)."""
+        uses = []
+        for layer in self.layers:
+            for lin, norm, silu, res in (
+                (layer.qkv, True, False, False),
+                (layer.dense, False, False, True),
+                (layer.gate_up, True, False, False),
+                (layer.proj, False, True, True),
+            ):
+                a = lin.args()
+                bf16 = a.a_scale is None
+                w = a.weight if bf16 else a.fp8_weight
+                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res)))
+        return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
     def forward_ids(
         self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None
