@@ -80,7 +80,7 @@ def _wide_head_blocks():
     """The heads (151 k rows) in 512-row programs: the interpreter's cost is per program."""
     saved = dict(gemv.BLOCKS)
     for vocab in (151680, 16512):
-        gemv.BLOCKS[gemv.key(vocab, 128, 4)] = (512, 128, 4)
+        gemv.BLOCKS[gemv.key(vocab, 128, 4, "norm")] = (512, 128, 4)
     yield
     gemv.BLOCKS.clear()
     gemv.BLOCKS.update(saved)
