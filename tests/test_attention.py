@@ -53,6 +53,7 @@ CASES = [  # b, g, d, kv_len, pos, splits, block_s
     (3, 4, 32, 256, 100, 4, 32),  # split-S, pos in the second of four slices
     (1, 2, 128, 256, 255, 2, 64),  # split-S, pos the last position
     (3, 4, 32, 128, 70, 3, 32),  # three slices of 64: the last one lies wholly past kv_len
+    (1, 4, 32, 512, 300, 0, 64),  # choose_splits: eight slices of 64
 ]
 
 
@@ -102,6 +103,15 @@ def test_custom_op_mutates_the_caches_and_has_a_fake():
         (*make(b, g, d, kv_len, pos).values(), kv_len, EPS, 2),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+def test_choose_splits_fills_the_sms_once_and_keeps_short_caches_in_one_kernel():
+    cpu = torch.device("cpu")  # counted as 128 SMs
+    assert attention.choose_splits(1, 8, 128, cpu) == 1
+    assert attention.choose_splits(1, 8, 4096, cpu) == 16
+    assert attention.choose_splits(3, 8, 4096, cpu) == 4
+    assert attention.choose_splits(1, 2, 512, cpu) == 512 // attention.BLOCK_S
+    assert attention.choose_splits(4, 32, 4096, cpu) == 1
 
 
 def test_rejects_shapes_it_cannot_take():
