@@ -196,7 +196,7 @@ def main() -> None:
         "--variants",
         default="bf16 eager,bf16 graphs,bf16 compile+graphs,bf16 compile+graphs+gemv,fp8 graphs,fp8 compile+graphs,"
         "fp8 compile+graphs+gemv",
-        help="comma-separated; each name's words pick the options: graphs, compile, gemv",
+        help="comma-separated; each name's words pick the options: graphs, compile, gemv, attn (decode_attention)",
     )
     ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="kernel profile of one prefill and one decode step")
@@ -236,7 +236,9 @@ def main() -> None:
         res["gemm"] = gemm_times(spec)
 
     def options(name: str) -> EngineOptions:
-        return EngineOptions(DEV.type, dtype, 32, 1024, "graphs" in name, "compile" in name, "gemv" in name)
+        return EngineOptions(
+            DEV.type, dtype, 32, 1024, "graphs" in name, "compile" in name, "gemv" in name, decode_attention="attn" in name
+        )
 
     for name in [n for n in args.variants.split(",") if n.startswith("bf16")]:
         res["variants"][name] = variant(name, spec, trt, options(name), ref, prompts, ids, args.profile)

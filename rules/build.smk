@@ -17,6 +17,7 @@ rule build:
         e=config["engine"],
         flags=("--compile " if config["engine"]["compile"] else "")
         + ("--gemv " if config["engine"]["gemv"] else "")
+        + ("--decode-attention " if config["engine"]["decode_attention"] else "")
         + ("" if config["engine"]["cuda_graphs"] else "--no-cuda-graphs"),
     shell:
         "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"

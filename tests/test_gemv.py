@@ -86,18 +86,31 @@ def _wide_head_blocks():
     gemv.BLOCKS.update(saved)
 
 
-def engines(engine_dir):
-    """The same checkpoint twice: plain, and with decode through the GEMV."""
+def engines(engine_dir, **fused):
+    """The same checkpoint twice: plain, and with decode through our kernels (`fused` options)."""
     meta_opts = {"device": "cpu", "dtype": "float32", "max_batch": 4, "max_seq_len": 256}
     _, spec, tensors = trtckpt.load_checkpoint(engine_dir)
     from workflow.engines.torch_engine import EngineOptions
 
     opts = EngineOptions(**meta_opts)
-    return TorchEngine(spec, tensors, opts), TorchEngine(spec, tensors, dataclasses.replace(opts, gemv=True))
+    return TorchEngine(spec, tensors, opts), TorchEngine(spec, tensors, dataclasses.replace(opts, **fused))
 
 
-def test_gemv_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf):
-    """Through the whole tiny model, both heads, across modality switches: against transformers."""
+@pytest.mark.parametrize("fused", [{"gemv": True}, {"decode_attention": True}, {"gemv": True, "decode_attention": True}])
+def test_fused_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf, fused, monkeypatch):
+    """Through the whole tiny model, both heads, across modality switches: against transformers;
+    and the kernels asked for did run (a fused path that silently fell back would pass too)."""
+    from workflow.engines import attention
+
+    calls = {"gemv": 0, "decode_attention": 0}
+    for name, module in (("gemv", gemv), ("decode_attention", attention)):
+        real = module.launch
+
+        def counted(*a, name=name, real=real, **k):
+            calls[name] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(module, "launch", counted)
     from test_engine import assert_decode_matches_reference
 
     from workflow.download import load_hf_state
@@ -105,17 +118,18 @@ def test_gemv_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf):
     from workflow.spec import load_spec
 
     ref = MossSpeechReference(load_spec(tiny_hf), load_hf_state(tiny_hf), torch.float32, "cpu")
-    _, fused = engines(tiny_engine_dir)
-    assert_decode_matches_reference(fused, ref, batch=2, prompt_len=20, steps=6, seed=31)
+    _, engine = engines(tiny_engine_dir, **fused)
+    assert_decode_matches_reference(engine, ref, batch=2, prompt_len=20, steps=4, seed=31)
+    assert {name for name, n in calls.items() if n} == set(fused)
 
 
-def test_fp8_gemv_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir):
+def test_fp8_fused_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir):
     """FP8 trunk: the kernel reads fp8 weights and FP8-rounded inputs; the emulation computes
     the same function in float32 through dequantized weights (checked against modelopt)."""
     from workflow import traffic
     from workflow.generate import Ids
 
-    plain, fused = engines(tiny_fp8_engine_dir)
+    plain, fused = engines(tiny_fp8_engine_dir, gemv=True, decode_attention=True)
     ids = Ids.of(plain.spec)
     prompt, follow = traffic.batch(1, 24, ids, seed=5), traffic.batch(1, 5, ids, seed=6)
     for e in (plain, fused):

@@ -39,10 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: decode without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch backend: fuse elementwise work with torch.compile")
     ap.add_argument("--gemv", action="store_true", help="torch backend: decode's matmuls through the fused Triton GEMV")
+    ap.add_argument("--decode-attention", action="store_true", help="torch backend: decode's attention as one Triton kernel")
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
-    if args.gemv and not gemv.available():
-        raise InputError("config: engine.gemv", "needs Triton, which is not installed (pip install triton)")
+    for flag, on in (("gemv", args.gemv), ("decode_attention", args.decode_attention)):
+        if on and not gemv.available():
+            raise InputError(f"config: engine.{flag}", "needs Triton, which is not installed (pip install triton)")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             "cuda_graphs": not args.no_cuda_graphs,
             "compile": args.compile,
             "gemv": args.gemv,
+            "decode_attention": args.decode_attention,
         },
         "spec": spec.to_dict(),
         "versions": versions(),

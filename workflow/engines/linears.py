@@ -1,0 +1,159 @@
+"""The linears of a decoder layer, bf16 or FP8, and the one way the engine applies them.
+
+`project` is a layer's matmul with what surrounds it: an RMSNorm or silu(gate) * up before,
+a residual add after. For many rows (prefill, batched decode) that is torch ops around cuBLAS
+(or torch._scaled_mm for the FP8 trunk); for a few rows, with `fused`, one call of our Triton
+GEMV (workflow.engines.gemv). The checkpoint's fc (SiLU side) and gate (up) are fused into one
+gate_up = [fc; gate] weight, FP8 scales kept per part.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workflow import fp8
+from workflow.engines import gemv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX rotary embedding (rotate halves): x [B, T, heads, d], cos/sin [T, d/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: tuple[torch.Tensor, ...] | None
+) -> torch.Tensor:
+    """x @ w^T, three ways. bf16: a_scale None. FP8 emulated exactly (CPU): w is the dequantized
+    weight and x is rounded through FP8 with a_scale. FP8 on CUDA: torch._scaled_mm over x
+    rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM wants that). w_scale
+    holds one scale tensor per part of w's rows: two where two checkpoint tensors were fused
+    (fc|gate), each keeping its own scale (one GEMM per part: a row-wise-scaled GEMM is slower;
+    separate tensors: cuBLASLt wants each scale's address aligned, which a slice is not)."""
+    if a_scale is None:
+        return F.linear(x, w)
+    if w_scale is None:
+        return F.linear(fp8.fake_quant(x, a_scale), w)
+    shape, x = x.shape, x.reshape(-1, x.shape[-1])
+    m, pad = x.shape[0], -x.shape[0] % 16
+    xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, a_scale)
+    parts = [
+        torch._scaled_mm(xq, part.t(), scale_a=a_scale, scale_b=scale, out_dtype=x.dtype)
+        for part, scale in zip(w.chunk(len(w_scale)), w_scale, strict=True)
+    ]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y[:m].reshape(*shape[:-1], -1)
+
+
+class LinearArgs(NamedTuple):
+    """A linear's tensors as `project` takes them. weight, a_scale, w_scale: what `linear`
+    takes; fp8_weight and out_scale (a_scale x w_scale per part): what the FP8 GEMV reads."""
+
+    weight: torch.Tensor
+    a_scale: torch.Tensor | None = None
+    w_scale: tuple[torch.Tensor, ...] | None = None
+    fp8_weight: torch.Tensor | None = None
+    out_scale: torch.Tensor | None = None
+
+
+def project(
+    x: torch.Tensor,
+    lin: LinearArgs,
+    fused: bool,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
+    silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
+    kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile)."""
+    if fused and x.numel() // x.shape[-1] <= gemv.MAX_M:
+        if lin.a_scale is None:
+            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul)
+        xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
+        return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
+    y = linear(prologue(x, norm, eps, silu_mul), lin.weight, lin.a_scale, lin.w_scale)
+    return y if residual is None else residual + y
+
+
+def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: bool) -> torch.Tensor:
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x if norm is None else rms_norm(x, norm, eps)
+
+
+class Linear(nn.Module):
+    """A bf16 (or float32) linear; `args()` is what `project` takes."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def args(self) -> LinearArgs:
+        return LinearArgs(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, *self.args()[:3])
+
+
+class Fp8Linear(Linear):
+    """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`);
+    w_scale has one entry per part of the rows (fc|gate: two)."""
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.register_buffer("weight", weight)
+        self.register_buffer("w_scale", w_scale.float().reshape(-1))
+        self.register_buffer("a_scale", a_scale.float().reshape(1))
+        self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.row_scale()).to(dtype))
+        self.register_buffer("out_scale", self.a_scale * self.w_scale)
+        self.part_scales = tuple(s.clone().reshape(1) for s in self.w_scale)
+
+    def row_scale(self) -> torch.Tensor:
+        """[N, 1]: each output row's weight scale."""
+        return self.w_scale.repeat_interleave(self.weight.shape[0] // self.w_scale.numel())[:, None]
+
+    def args(self) -> LinearArgs:
+        if self.w_deq is not None:  # CPU: exact emulation through the dequantized weight
+            return LinearArgs(self.w_deq, self.a_scale, None, self.weight, self.out_scale)
+        return LinearArgs(self.weight, self.a_scale, self.part_scales, self.weight, self.out_scale)
+
+
+def layer_linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+    """The layer's linear modules; fc (SiLU side) and gate (up) fused as gate_up = [fc; gate]."""
+
+    def weight(name: str) -> torch.Tensor:
+        return tensors[f"{prefix}{name}.weight"].to(device)
+
+    if tensors[f"{prefix}mlp.fc.weight"].dtype != torch.float8_e4m3fn:
+        out = {n: Linear(weight(n).to(dtype)) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
+        out["mlp.gate_up"] = Linear(torch.cat([weight("mlp.fc"), weight("mlp.gate")]).to(dtype))
+        return out
+
+    def scales(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            tensors[f"{prefix}{name}.weights_scaling_factor"].to(device),
+            tensors[f"{prefix}{name}.activation_scaling_factor"].to(device),
+        )
+
+    out = {n: Fp8Linear(weight(n), *scales(n), dtype) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
+    (w_fc, a_fc), (w_gate, a_gate) = scales("mlp.fc"), scales("mlp.gate")
+    w_scale = torch.cat([w_fc.reshape(1), w_gate.reshape(1)])
+    # fc and gate read the same input, so calibration gives them one activation amax;
+    # should a checkpoint differ, the larger scale is the one that cannot overflow.
+    gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
+    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype)
+    return out
