@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole pipeline on the `full` preset on a lent GPU machine, in calls of under 10 minutes
+# (the device tool's limit), each run from the repository root with .whl carried:
+#
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8-calibrate  # download, convert, calibrate
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8            # build, verify, benchmark
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16           # reuses download and convert
+#
+# The machine must stay warm between calls (results/ lives on it). Each call copies the small
+# artifacts (verify.json, benchmark.*, plots, engine.json, amax.json, rule TSVs, log tails)
+# under $OUT, keeping the results/ layout; benchmarks/collect.py then writes summary.json.
+set -euo pipefail
+stage=$1
+[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+: "${MOSSBUILD_COMMIT:?set MOSSBUILD_COMMIT: the GPU copy has no .git}"
+export MOSSBUILD_COMMIT
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+run() { timeout 560 python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
+case $stage in
+    fp8-calibrate) run --config engine='{precision: fp8}' --until calibrate ;;
+    fp8) run --config engine='{precision: fp8}' ;;
+    bf16) run ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
+cd results
+find . \( -name '*.tsv' -o -name 'verify*.json' -o -name 'benchmark.json' -o -name 'benchmark.md' -o -name '*.png' \
+    -o -name engine.json -o -name amax.json -o -name quant_summary.txt \) -not -path '*/checkpoint/*' \
+    -not -path '*/dataset/*' -exec cp --parents {} "$OUT/" \;
+for log in $(find . -name '*.log'); do mkdir -p "$OUT/$(dirname "$log")"; tail -c 20000 "$log" > "$OUT/$log.tail"; done
