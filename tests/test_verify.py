@@ -105,3 +105,21 @@ def test_missing_or_misspelt_thresholds_fail_closed(thresholds, problem):
     with pytest.raises(InputError) as e:
         verify.thresholds_for({"thresholds": thresholds}, "bf16")
     assert str(e.value) == f"config: verify.thresholds: {problem}"
+
+
+def test_a_bug_only_at_batch_one_is_caught(tiny_engine_dir, tiny_hf):
+    """The benchmark's headline runs one sequence, through kernels (the fused GEMV) that a full
+    batch never reaches: verify must run a single sequence too, not only batches."""
+    engine = load_engine(tiny_engine_dir)
+    decode = engine.decode
+
+    def single_sequence_bug(tokens, need_text=True):
+        text, audio = decode(tokens, need_text)
+        return (None if text is None else text.flip(-1) if tokens.shape[0] == 1 else text), audio
+
+    engine.decode = single_sequence_bug
+    ref = MossSpeechReference(load_spec(tiny_hf), load_hf_state(tiny_hf), torch.float32, "cpu")
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(1 + engine.max_batch, 24, ids, seed=4)
+    assert [len(c) for c in verify.batches(prompts, engine.max_batch)] == [1, engine.max_batch]
+    assert verify.teacher_forced(engine, ref, prompts, ids)["decode"]["text"]["top1"] < 1.0
