@@ -189,25 +189,9 @@ def launch(
 
 
 if triton is not None:  # an opaque op to torch.compile and CUDA graphs: two cache writes and a fresh output
-
-    @torch.library.custom_op("mossbuild::decode_attention", mutates_args=("k_cache", "v_cache"))
-    def decode_attention(
-        qkv: torch.Tensor,
-        q_norm: torch.Tensor,
-        k_norm: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        pos: torch.Tensor,
-        kv_len: int,
-        eps: float,
-        splits: int = 0,
-    ) -> torch.Tensor:
-        """`launch` with the default block size; splits 0: `choose_splits`."""
-        return launch(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits)
+    decode_attention = torch.library.custom_op("mossbuild::decode_attention", launch, mutates_args=("k_cache", "v_cache"))
 
     @decode_attention.register_fake
-    def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0):
+    def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S, num_warps=NUM_WARPS):
         h = qkv.shape[-1] // k_cache.shape[-1] - 2 * k_cache.shape[1]
         return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1])

@@ -160,7 +160,7 @@ def launch(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
-    block: tuple[int, int, int] | None = None,
+    block: list[int] | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
@@ -189,21 +189,8 @@ def launch(
 
 
 if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one kernel, a fresh output
-
-    @torch.library.custom_op("mossbuild::gemv", mutates_args=())
-    def gemv(
-        x: torch.Tensor,
-        w: torch.Tensor,
-        out_dtype: torch.dtype,
-        scale: torch.Tensor | None = None,
-        norm: torch.Tensor | None = None,
-        eps: float = 1e-6,
-        residual: torch.Tensor | None = None,
-        silu_mul: bool = False,
-    ) -> torch.Tensor:
-        """`launch` with the tuned block shape."""
-        return launch(x, w, out_dtype, scale, norm, eps, residual, silu_mul)
+    gemv = torch.library.custom_op("mossbuild::gemv", launch, mutates_args=())
 
     @gemv.register_fake
-    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False):
+    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None):
         return x.new_empty(*x.shape[:-1], w.shape[0], dtype=out_dtype)
