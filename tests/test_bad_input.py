@@ -285,6 +285,9 @@ CASES: dict[str, Callable[..., Bad]] = {
     "trtllm_on_cpu": build(
         ["--backend", "trtllm", "--device", "cpu"], "config: engine", "backend trtllm runs on cuda only, not on device 'cpu'"
     ),
+    "triton_kernel_on_cpu": build(
+        ["--gemv"], "config: engine.gemv", "a Triton kernel of the torch backend on cuda, not torch on cpu"
+    ),
     "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),
     "unknown_precision": build(["--precision", "int4"], "config: engine", "unknown precision 'int4' (known: bf16, fp8)"),
     "precision_does_not_fit_checkpoint": build(
@@ -310,6 +313,7 @@ CLI = {
     "calibration_set_empty",
     "engine_from_another_checkpoint",
     "trtllm_on_cpu",
+    "triton_kernel_on_cpu",
 }
 
 

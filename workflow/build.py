@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
     for flag, on in (("gemv", args.gemv), ("decode_attention", args.decode_attention)):
+        if on and (args.backend != "torch" or args.device != "cuda"):
+            where, why = f"config: engine.{flag}", "a Triton kernel of the torch backend on cuda"
+            raise InputError(where, f"{why}, not {args.backend} on {args.device}")
         if on and not gemv.available():
             raise InputError(f"config: engine.{flag}", "needs Triton, which is not installed (pip install triton)")
     cfg, spec = trtckpt.read_config(args.ckpt)

@@ -7,7 +7,8 @@ tiny kernel costs a couple of microseconds whatever it does. This kernel folds t
 weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows, and
 
 - prologue: the input row's RMSNorm, recomputed by every program (x is a few KB; the weights
-  are megabytes), rounded exactly as `torch_engine.rms_norm` rounds;
+  are megabytes), rounded exactly as `linears.rms_norm` rounds; or silu(gate) * up from
+  gate_up's output (proj's input);
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
   x must already be FP8-rounded (the caller quantizes it with the calibrated scale, fused by
   torch.compile into the op before), and each part of W's rows (fc|gate: two) has its own
@@ -15,9 +16,9 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
   the same two roundings as `x + F.linear(...)`.
 
-The block sizes come from `config_for` (measured per shape on the GPU; see NOTES.md). Without
-a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests
-check it against torch.
+The block sizes come from `config_for`: chosen by `tune` on the target GPU at build, per weight
+shape and prologue/epilogue, and stored in engine.json. Without a GPU the kernel runs under
+Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it against torch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the engine works without it (gemv: cublas)
+except ImportError:  # the engine works without it (engine.gemv: false)
     triton = None
 
 MAX_M = 4  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
