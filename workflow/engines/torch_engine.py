@@ -7,7 +7,10 @@ cannot alias. On CUDA each decode step is replayed from a CUDA graph (one per ba
 text-head need and attention bucket); decode attends to the first `kv_len` cached positions,
 a multiple of KV_BUCKET just past the sequence, rather than to the whole cache. A layer is a
 pure function of its tensors (`layer_step`), so that with `compile` one torch.compile'd
-version of it, with the elementwise work between the matmuls fused, serves every layer.
+version of it, with the elementwise work between the matmuls fused, serves every layer. With
+`gemv` and `decode_attention`, decode goes through our Triton kernels (workflow.engines.gemv,
+.attention): the matmuls with their norms and residual adds, and the whole attention, each one
+kernel; linears.py holds the linear layers and `project`, which picks the path.
 """
 
 from __future__ import annotations
@@ -72,21 +75,22 @@ def layer_step(
     qkv_out = project(x, qkv, fused, norms[0], eps)
     if fused_attention and mask is not None and t == 1:
         y = attention.decode_attention(qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps)
-        h = project(y, dense, fused, residual=x)
-        return project(project(h, gate_up, fused, norms[1], eps), proj, fused, residual=h, silu_mul=True)
-    q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
-    q = rope(rms_norm(q.view(b, t, -1, d), norms[2], eps), cos, sin).transpose(1, 2)
-    k = rope(rms_norm(k.view(b, t, -1, d), norms[3], eps), cos, sin).transpose(1, 2)
-    v = v.view(b, t, -1, d).transpose(1, 2)
-    k_cache, v_cache = k_cache[:b], v_cache[:b]
-    k_cache.index_copy_(2, pos, k)
-    v_cache.index_copy_(2, pos, v)
-    if mask is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
-        kv_len = mask.shape[-1]
-        y = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=True)
-    h = project(y.transpose(1, 2).reshape(b, t, -1), dense, fused, residual=x)
+        q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
+        q = rope(rms_norm(q.view(b, t, -1, d), norms[2], eps), cos, sin).transpose(1, 2)
+        k = rope(rms_norm(k.view(b, t, -1, d), norms[3], eps), cos, sin).transpose(1, 2)
+        v = v.view(b, t, -1, d).transpose(1, 2)
+        k_cache, v_cache = k_cache[:b], v_cache[:b]
+        k_cache.index_copy_(2, pos, k)
+        v_cache.index_copy_(2, pos, v)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            kv_len = mask.shape[-1]
+            k_seen, v_seen = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+            y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+    h = project(y, dense, fused, residual=x)
     return project(project(h, gate_up, fused, norms[1], eps), proj, fused, residual=h, silu_mul=True)
 
 
