@@ -44,9 +44,14 @@ def say(msg: str) -> None:
 
 
 def agreement(engine, ref, prompts, ids) -> dict:
-    """verify's teacher-forced metrics (prefill path) of both heads, engine vs reference."""
-    m = verify.teacher_forced(engine, ref, prompts, ids)["prefill"]
-    return {h: {k: m[h][k] for k in ("top1", "kl_mean", "max_abs_diff")} for h in ("text", "audio")}
+    """verify's teacher-forced metrics of both heads, engine vs reference: the prefill path, and
+    under "decode" the decode path (the first prompt alone: the rows the fused GEMV takes)."""
+    m = verify.teacher_forced(engine, ref, prompts, ids)
+
+    def pick(path: str) -> dict:
+        return {h: {k: m[path][h][k] for k in ("top1", "kl_mean", "max_abs_diff")} for h in ("text", "audio")}
+
+    return {**pick("prefill"), "decode": pick("decode")}
 
 
 def decode_matches(engine, ids, prompt, steps: int = 8) -> float:

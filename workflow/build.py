@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, trtckpt
-from workflow.engines import ENGINE_JSON, check_engine_config, gemv, load_engine
+from workflow.engines import ENGINE_JSON, attention, check_engine_config, gemv, load_engine
 from workflow.errors import InputError, run_main
 
 
@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-attention", action="store_true", help="torch backend: decode's attention as one Triton kernel")
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
-    for flag, on in (("gemv", args.gemv), ("decode_attention", args.decode_attention)):
+    for flag, on, kernel in (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention)):
         if on and (args.backend != "torch" or args.device != "cuda"):
             where, why = f"config: engine.{flag}", "a Triton kernel of the torch backend on cuda"
             raise InputError(where, f"{why}, not {args.backend} on {args.device}")
-        if on and not gemv.available():
+        if on and not kernel.available():
             raise InputError(f"config: engine.{flag}", "needs Triton, which is not installed (pip install triton)")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"

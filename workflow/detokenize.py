@@ -77,8 +77,6 @@ class _Pcm:
 class Inline:
     """Mel and vocoder on the decoding stream, each timed by the clock: decoding waits."""
 
-    overlap = False
-
     def __init__(self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock):
         self.mel, self.vocoder, self.clock = mel, vocoder, clock
         self.pcm = _Pcm(torch.zeros(batch, 0, device=device), samples_per_token)
@@ -106,8 +104,6 @@ class Overlapped:
     The clock given must synchronise only the current (decoding) stream, or every decode
     timestamp would wait for the vocoder after all (`stream.device_clock`).
     """
-
-    overlap = True
 
     def __init__(self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock):
         self.mel, self.vocoder, self.clock = mel, vocoder, clock
