@@ -6,9 +6,9 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8            # build, verify, benchmark
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16           # reuses download and convert
 #
-# The machine must stay warm between calls (results/ lives on it). Each call copies the small
-# artifacts (verify.json, benchmark.*, plots, engine.json, amax.json, rule TSVs, log tails)
-# under $OUT, keeping the results/ layout; benchmarks/collect.py then writes summary.json.
+# The machine must stay warm between calls (results/ lives on it). Each call tars the small
+# artifacts (verify.json, benchmark.*, plots, engine.json, amax.json, rule TSVs, log tails) of
+# all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py then writes summary.json.
 set -euo pipefail
 stage=$1
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -24,8 +24,10 @@ case $stage in
     bf16) run ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
-cd results
+cd results  # the small artifacts, in one archive: the device tool returns a few files only
+stage_dir=$(mktemp -d)
 find . \( -name '*.tsv' -o -name 'verify*.json' -o -name 'benchmark.json' -o -name 'benchmark.md' -o -name '*.png' \
     -o -name engine.json -o -name amax.json -o -name quant_summary.txt \) -not -path '*/checkpoint/*' \
-    -not -path '*/dataset/*' -exec cp --parents {} "$OUT/" \;
-for log in $(find . -name '*.log'); do mkdir -p "$OUT/$(dirname "$log")"; tail -c 20000 "$log" > "$OUT/$log.tail"; done
+    -not -path '*/dataset/*' -exec cp --parents {} "$stage_dir/" \;
+for log in $(find . -name '*.log'); do mkdir -p "$stage_dir/$(dirname "$log")"; tail -c 20000 "$log" > "$stage_dir/$log.tail"; done
+tar -czf "$OUT/results-$stage.tgz" -C "$stage_dir" .

@@ -178,6 +178,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
     if options.cuda_graphs:
         v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
     v |= micro(eng, ids, (1, 32) if options.cuda_graphs else (1,))
+    v["gemv_blocks"] = eng.gemv_blocks
     v["build_and_check_s"] = time.time() - t
     if with_profile and options.compile:
         v["profile"] = profile(eng, ids)
@@ -278,6 +279,21 @@ def main() -> None:
                 "graph_vs_eager_max_diff": diff,
             }
             say(f"vocoder b{b} fused={info.fused_kernel}: eager {eager:.2f} ms, graph {g:.2f} ms, diff {diff:.2e}")
+        if not fused:  # the same model under torch.compile (dynamic shapes: chunk lengths, batch sizes)
+            compiled = torch.compile(model, dynamic=True)
+            for b, frames in ((1, 38), (1, 37), (32, 38)):
+                mel = torch.randn(b, 100, frames, device=DEV, dtype=getattr(torch, dtype))
+                t = time.time()
+                with torch.no_grad():
+                    compiled(mel)
+                torch.cuda.synchronize()
+                first_s = time.time() - t
+                graphed = Graphed(compiled, DEV)
+                g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), DEV, 10))
+                with torch.no_grad():
+                    diff = float((graphed(mel).float() - model(mel).float()).abs().max())
+                res[f"vocoder_compiled_b{b}_f{frames}"] = {"first_call_s": first_s, "graph_ms": g, "vs_eager_max_diff": diff}
+                say(f"vocoder compiled b{b} f{frames}: first call {first_s:.1f} s, graph {g:.2f} ms, diff {diff:.2e}")
         if not info.fused_kernel and fused:
             break
     args.out.write_text(json.dumps(res, indent=2))

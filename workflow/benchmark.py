@@ -68,13 +68,15 @@ def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Id
     prompt = traffic.speech_prompt(batch, p["prompt_len"], ids, p["seed"])
     sampling = Sampling(greedy=p["sampling"] == "greedy")
     overlap = overlaps(p["vocoder"].get("overlap", True), engine.device)
+    first_alone = overlap and p["vocoder"].get("first_chunk_alone", True)
     clock = device_clock(engine.device, stream_only=overlap)
     runs = []
     for i in range(p["warmup"] + p["runs"]):
         g = torch.Generator(engine.device).manual_seed(p["seed"] + i)
         timeline, audio = run_stream(
-            engine, mel, vocoder, prompt, p["num_tokens"], p["chunk_tokens"], spt, ids, clock, sampling, g, overlap
-        )
+            engine, mel, vocoder, prompt, p["num_tokens"], p["chunk_tokens"], spt, ids, clock, sampling, g, overlap,
+            first_alone,
+        )  # fmt: skip
         problems = check_stream(timeline, audio, p["num_tokens"], p["chunk_tokens"], spt)
         if problems:
             raise SystemExit(f"benchmark FAILED ({batch} streams): " + "; ".join(problems))
@@ -84,6 +86,7 @@ def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Id
     return {
         "streams": batch,
         "overlap": overlap,
+        "first_chunk_alone": first_alone,
         "ttfa_ms": percentiles([t.ttfa_ms() for t in runs]),
         "rtf": percentiles([t.wall_s() / secs for t in runs]),
         "tokens_per_s": percentiles([batch * p["num_tokens"] / t.wall_s() for t in runs]),
@@ -152,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, meta["options"]["dtype"])
     voc = p["vocoder"]
     model, vinfo = load_bigvgan(voc["name"], voc.get("weights"), device, dtype, voc.get("fused_kernel", False))
+    compiled = voc.get("compile", False) and device.type == "cuda"
+    if compiled:  # dynamic: chunks of 37 and 38 frames and every batch size share a compile or two
+        model = torch.compile(model, dynamic=True)
     vocoder = Graphed(model, device) if voc.get("cuda_graph", True) else model
     mel = MelStandIn(ids.eosp + 1, vinfo.num_mels, vinfo.sampling_rate / vinfo.hop, device)
     spt = round(SECONDS_PER_TOKEN * vinfo.sampling_rate)
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     b["summary"] = summarize(b, concurrency)
     b |= {
         "engine": {"path": str(args.engine), **{k: meta[k] for k in ("backend", "precision")}, "options": meta["options"]},
-        "vocoder": vinfo.__dict__,
+        "vocoder": vinfo.__dict__ | {"compiled": compiled},
         "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder",
         "settings": p,
         "versions": versions(),

@@ -12,7 +12,10 @@ differs:
 - Overlapped (CUDA): the stage is enqueued on a side stream that first waits for the decoding
   stream (so the codes are ready), and decoding goes on at once. Its times come from CUDA
   events recorded on the side stream after the mel and after the PCM, read once the request's
-  work is all done and put on the host clock through an anchor event (`host_time`).
+  work is all done and put on the host clock through an anchor event (`host_time`). The side
+  stream has the highest priority: when both have work, the GPU runs the vocoder's blocks
+  first. With `first_alone`, decoding waits for the first chunk's PCM (once): that chunk is
+  vocoded with the GPU to itself, as in line, which is what time to first audio measures.
 """
 
 from __future__ import annotations
@@ -105,10 +108,13 @@ class Overlapped:
     timestamp would wait for the vocoder after all (`stream.device_clock`).
     """
 
-    def __init__(self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock):
-        self.mel, self.vocoder, self.clock = mel, vocoder, clock
+    def __init__(
+        self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock,
+        first_alone: bool = False,
+    ):  # fmt: skip
+        self.mel, self.vocoder, self.clock, self.first_alone = mel, vocoder, clock, first_alone
         self.main = torch.cuda.current_stream(device)
-        self.side = torch.cuda.Stream(device)
+        self.side = torch.cuda.Stream(device, priority=-100)  # clamped to the highest there is
         self.anchor = torch.cuda.Event(enable_timing=True)
         self.t_anchor = 0.0
         with torch.cuda.stream(self.side):
@@ -135,6 +141,8 @@ class Overlapped:
             mel_done.record(self.side)
             self.pcm.add(self.vocoder(m), codes.shape[1])
             ready.record(self.side)
+        if self.first_alone and not self.events:
+            self.main.wait_stream(self.side)  # the next decode step waits for this chunk's PCM
         self.events.append((codes.shape[1], t_start, mel_done, ready))
 
     def finish(self) -> tuple[list[Chunk], torch.Tensor]:
@@ -156,8 +164,16 @@ Detokenizer = Inline | Overlapped
 
 
 def detokenizer(
-    mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock, overlap: bool
+    mel: Mel,
+    vocoder: Vocoder,
+    samples_per_token: int,
+    batch: int,
+    device: torch.device,
+    clock: Clock,
+    overlap: bool,
+    first_alone: bool = False,
 ) -> Detokenizer:
-    """Overlapped where asked for and on CUDA, else in line."""
-    kind = Overlapped if overlaps(overlap, device) else Inline
-    return kind(mel, vocoder, samples_per_token, batch, device, clock)
+    """Overlapped where asked for and on CUDA (first_alone: see `Overlapped`), else in line."""
+    if overlaps(overlap, device):
+        return Overlapped(mel, vocoder, samples_per_token, batch, device, clock, first_alone)
+    return Inline(mel, vocoder, samples_per_token, batch, device, clock)

@@ -38,9 +38,15 @@ def markdown(b: dict) -> str:
         f"codes ({st['num_tokens'] * 0.08:.1f} s of audio) per stream, {st['sampling']} sampling; a chunk every "
         f"{st['chunk_tokens']} codes; {st['warmup']} warm-up + {st['runs']} measured runs. Vocoder: "
         f"{b['vocoder']['name']} ({b['vocoder']['weights']} weights, {b['vocoder']['parameters'] / 1e6:.1f} M params, "
-        f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}). Mel stage: {b['mel_stage']}. Detokenizer: "
+        f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}"
+        f"{', torch.compile' if b['vocoder'].get('compiled') else ''}). Mel stage: {b['mel_stage']}. Detokenizer: "
         + (
-            "on a second CUDA stream, overlapped with decoding (chunk times from CUDA events)."
+            "on a second CUDA stream of the highest priority, overlapped with decoding (chunk times from CUDA events)"
+            + (
+                "; decoding waits once, for the first chunk's PCM."
+                if b["streams"]["engine"]["1"].get("first_chunk_alone")
+                else "."
+            )
             if b["streams"]["engine"]["1"]["overlap"]
             else "in line with decoding (decoding waits for it)."
         ),

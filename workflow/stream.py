@@ -115,13 +115,15 @@ def run_stream(
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     overlap: bool = False,
+    first_alone: bool = False,
 ) -> tuple[Timeline, torch.Tensor]:
     """Stream `num_tokens` audio codes for each prompt row; returns the timeline and the PCM
     [B, num_tokens * samples_per_token]: each chunk emits exactly its codes x 80 ms.
 
     With overlap on CUDA the detokenizer runs on a side stream; `clock` must then synchronise
-    the current stream only (`device_clock(device, stream_only=True)`)."""
-    detok = detokenizer(mel, vocoder, samples_per_token, prompt.shape[0], engine.device, clock, overlap)
+    the current stream only (`device_clock(device, stream_only=True)`); first_alone: decoding
+    waits once, for the first chunk's PCM (`detokenize.Overlapped`)."""
+    detok = detokenizer(mel, vocoder, samples_per_token, prompt.shape[0], engine.device, clock, overlap, first_alone)
     timeline = Timeline(t_request=detok.start())
     codes: list[torch.Tensor] = []
     done = 0
