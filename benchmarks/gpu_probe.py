@@ -286,7 +286,7 @@ def main() -> None:
                 t = time.time()
                 with torch.no_grad():
                     compiled(mel)
-                torch.cuda.synchronize()
+                roofline.sync(DEV)
                 first_s = time.time() - t
                 graphed = Graphed(compiled, DEV)
                 g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), DEV, 10))

@@ -291,3 +291,29 @@ def test_overlapped_pcm_equals_inline_pcm_bit_for_bit_and_decoding_does_not_wait
     vocoder_s = [c.t_ready - c.t_mel for c in inline.chunks]
     assert max(waits) < min(vocoder_s), (waits, vocoder_s)
     assert over.wall_s() < inline.wall_s()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_first_chunk_alone_holds_decoding_once():
+    """first_alone: the step after the first chunk starts once that chunk's PCM is ready; the
+    later chunks' steps do not wait for their PCM."""
+    from workflow.vocoder import Graphed, load_bigvgan
+
+    model, info = load_bigvgan("bigvgan_v2_24khz_100band_256x", None, CUDA, torch.bfloat16)
+    graphed = Graphed(model, CUDA)
+    mel = MelStandIn(IDS.eosp + 1, info.num_mels, info.sampling_rate / info.hop, CUDA)
+    spt = round(0.08 * info.sampling_rate)
+    num_tokens, chunk = 22, 5
+    prompt = speech_prompt(2, 8, IDS, seed=0)
+    codes = [7 + (i * 37) % 1000 for i in range(num_tokens + 1)]
+    for _ in range(2):  # the first run captures the vocoder's graphs
+        clock = device_clock(CUDA, stream_only=True)
+        timeline, audio = run_stream(
+            BusyScript(codes, batch=2), mel, lambda m: graphed(m.to(torch.bfloat16)), prompt, num_tokens, chunk, spt, IDS,
+            clock, overlap=True, first_alone=True,
+        )  # fmt: skip
+    assert check_stream(timeline, audio, num_tokens, chunk, spt) == []
+    steps = [timeline.t_tokens.index(c.t_start) for c in timeline.chunks]
+    assert timeline.t_tokens[steps[0] + 1] >= timeline.chunks[0].t_ready
+    later = [timeline.t_tokens[i + 1] < c.t_ready for i, c in zip(steps[1:-1], timeline.chunks[1:-1], strict=True)]
+    assert any(later)

@@ -245,7 +245,12 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint_sha256": meta["checkpoint"]["sha256"],
         "reference": f"transformers.Qwen3ForCausalLM, text and audio paths, {p['reference_dtype']}",
         "device": str(engine.device),
-        "prompts": {"count": p["num_prompts"], "length": p["prompt_len"], "seed": p["seed"]},
+        "prompts": {
+            "count": p["num_prompts"],
+            "length": p["prompt_len"],
+            "seed": p["seed"],
+            "batches": [len(chunk) for chunk in batches(prompts, engine.max_batch)],  # the engine paths checked
+        },
         "held_out": check_held_out(prompts, args.calib_data) if args.calib_data and args.calib_data.exists() else None,
         **evaluate(engine, ref, prompts, p["greedy_steps"], thresholds),
     }
