@@ -28,6 +28,14 @@ def _row(name: str, streams: str, r: dict) -> str:
     )
 
 
+def detokenizer_line(stream: dict) -> str:
+    """How the detokenizer ran in a stream result (`overlap`, `first_chunk_alone`)."""
+    if not stream["overlap"]:
+        return "in line with decoding (decoding waits for it)."
+    first = "; decoding waits once, for the first chunk's PCM" if stream.get("first_chunk_alone") else ""
+    return f"on a second CUDA stream of the highest priority, overlapped with decoding (chunk times from CUDA events){first}."
+
+
 def markdown(b: dict) -> str:
     """The benchmark as a Markdown page: summary with ratios, micro-benchmark, streams."""
     st, sm, m, f = b["settings"], b["summary"], b["machine"], b["floors"]
@@ -40,16 +48,7 @@ def markdown(b: dict) -> str:
         f"{b['vocoder']['name']} ({b['vocoder']['weights']} weights, {b['vocoder']['parameters'] / 1e6:.1f} M params, "
         f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}"
         f"{', torch.compile' if b['vocoder'].get('compiled') else ''}). Mel stage: {b['mel_stage']}. Detokenizer: "
-        + (
-            "on a second CUDA stream of the highest priority, overlapped with decoding (chunk times from CUDA events)"
-            + (
-                "; decoding waits once, for the first chunk's PCM."
-                if b["streams"]["engine"]["1"].get("first_chunk_alone")
-                else "."
-            )
-            if b["streams"]["engine"]["1"]["overlap"]
-            else "in line with decoding (decoding waits for it)."
-        ),
+        + detokenizer_line(b["streams"]["engine"]["1"]),
         "",
         f"Measured here: copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s, matmul {m['matmul_peak_TFLOPs']:.1f} TFLOP/s.",
         "",
