@@ -179,6 +179,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
     v |= micro(eng, ids, (1, 32) if options.cuda_graphs else (1,))
     v["gemv_blocks"] = eng.gemv_blocks
+    v["gemv_tuned_ms"] = {k: gemv.TUNED_MS[k] for k in eng.gemv_blocks if k in gemv.TUNED_MS}
     v["build_and_check_s"] = time.time() - t
     if with_profile and options.compile:
         v["profile"] = profile(eng, ids)
@@ -202,7 +203,8 @@ def main() -> None:
         "--variants",
         default="bf16 eager,bf16 graphs,bf16 compile+graphs,bf16 compile+graphs+gemv,fp8 graphs,fp8 compile+graphs,"
         "fp8 compile+graphs+gemv",
-        help="comma-separated; each name's words pick the options: graphs, compile, gemv, attn (decode_attention)",
+        help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
+        "nodefer (no deferred GEMV body offered to the tuner)",
     )
     ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="kernel profile of one prefill and one decode step")
@@ -211,7 +213,8 @@ def main() -> None:
     dtype, vocoder_name = (
         ("bfloat16", "bigvgan_v2_24khz_100band_256x") if DEV.type == "cuda" else ("float32", "reduced_24khz_100band_256x")
     )
-    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.cache_size_limit = 256  # variants add up: each engine compiles its own shapes
+    torch._dynamo.config.accumulated_cache_size_limit = 1024
     name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
     res: dict = {"gpu": name, "torch": torch.__version__, "preset": args.preset, "variants": {}}
     say(f"{res['gpu']}, torch {torch.__version__}")
@@ -241,13 +244,28 @@ def main() -> None:
     if args.gemm:
         res["gemm"] = gemm_times(spec)
 
+    tuned: dict[tuple[str, bool], dict] = {}  # (precision, deferred body offered) -> blocks: tune once
+
     def options(name: str) -> EngineOptions:
+        words = name.split()[-1].split("+")
         return EngineOptions(
-            DEV.type, dtype, 32, 1024, "graphs" in name, "compile" in name, "gemv" in name, decode_attention="attn" in name
-        )
+            DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
+            gemv_blocks=tuned.get((name.split()[0], "nodefer" not in words)), decode_attention="attn" in words,
+        )  # fmt: skip
+
+    def run(name: str, tensors) -> dict:
+        saved = gemv.DEFER_N_CHOICES
+        gemv.DEFER_N_CHOICES = () if "nodefer" in name else saved
+        try:
+            v = variant(name, spec, tensors, options(name), ref, prompts, ids, args.profile)
+        finally:
+            gemv.DEFER_N_CHOICES = saved
+        if v.get("gemv_blocks"):
+            tuned[(name.split()[0], "nodefer" not in name)] = v["gemv_blocks"]
+        return v
 
     for name in [n for n in args.variants.split(",") if n.startswith("bf16")]:
-        res["variants"][name] = variant(name, spec, trt, options(name), ref, prompts, ids, args.profile)
+        res["variants"][name] = run(name, trt)
     fp8_variants = [n for n in args.variants.split(",") if n.startswith("fp8")]
     if fp8_variants:  # FP8: modelopt on the reference over synthetic traffic, then the checkpoint's tensors
         t = time.time()
@@ -261,7 +279,7 @@ def main() -> None:
         res["fp8_calibration_s"] = time.time() - t
         say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
     for name in fp8_variants:
-        res["variants"][name] = variant(name, spec, fp8, options(name), ref, prompts, ids, args.profile)
+        res["variants"][name] = run(name, fp8)
     # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
     for fused in (False, True) if args.vocoder else ():
         t = time.time()

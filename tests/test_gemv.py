@@ -42,6 +42,30 @@ def test_silu_mul_prologue_reads_gate_and_up_halves(rows):
         gemv.launch(gu, w, torch.float32, norm=torch.ones(k), silu_mul=True)
 
 
+@pytest.mark.parametrize("block_k", [32, 128])
+def test_deferred_body_equals_torch(block_k):
+    """One row, partial sums kept per column of the tile and reduced once: torch's result, with
+    the norm prologue and residual epilogue, and with the silu prologue; K spans several tiles
+    with a ragged end. Four rows asking for it fall back to the per-tile body."""
+    k, n = 200, 37
+    x, w, g, r = torch.randn(1, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(1, n)
+    got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=(8, block_k, 4, 1))
+    assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(1, 2 * k)
+    got = gemv.launch(gu, w, torch.float32, silu_mul=True, block=(4, block_k, 4, 1))
+    assert torch.allclose(got, F.linear(F.silu(gu[:, :k]) * gu[:, k:], w), atol=1e-5, rtol=1e-5)
+    x4 = torch.randn(4, k)
+    assert torch.allclose(gemv.launch(x4, w, torch.float32, block=(8, block_k, 4, 1)), F.linear(x4, w), atol=1e-5)
+
+
+def test_tuning_offers_fp8_both_bodies_within_the_register_budget():
+    found = gemv.candidates(4096, 1)
+    assert {c[3] for c in found} == {0, 1}
+    assert all(bn * bk <= gemv.DEFER_REGS * 32 * w for bn, bk, w, defer in found if defer)
+    assert {c[3] for c in gemv.candidates(4096, 2)} == {0}  # bf16: per tile only (probe 11)
+    assert all(bk <= 128 for _, bk, _, _ in gemv.candidates(100, 2))  # no tile wider than K's power of two
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
 def test_bf16_rounds_like_torch():
     """bf16 in and out, as `x + F.linear(rms_norm(h))` rounds: the normed input exactly, the

@@ -12,7 +12,10 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
   x must already be FP8-rounded (the caller quantizes it with the calibrated scale, fused by
   torch.compile into the op before), and each part of W's rows (fc|gate: two) has its own
-  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm;
+  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Two bodies, a
+  tuning choice: reduce each [BLOCK_N, BLOCK_K] tile over K as it comes (a cross-thread sum
+  per tile), or, for one row, keep the tile's float32 products as partial sums and reduce
+  once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
   the same two roundings as `x + F.linear(...)`.
 
@@ -38,16 +41,25 @@ def available() -> bool:
     return triton is not None
 
 
-BLOCKS: dict[str, tuple[int, int, int]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps), from `tune`
+BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer), from `tune`
 BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
 BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
+DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512)  # the deferred body holds BLOCK_N x BLOCK_K floats
+DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
+TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
-def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int]]:
-    """Block shapes worth timing: 1 to 64 KB of weights per program and step."""
-    ks = [bk for bk in BLOCK_K_CHOICES[weight_bytes] if bk <= triton.next_power_of_2(k)]
-    return [(bn, bk, w) for bn in BLOCK_N_CHOICES for bk in ks for w in WARPS_CHOICES]
+def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int]]:
+    """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
+    tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
+    registers. (For bf16 the tuner picked it for dense, 0.3 us faster alone, and the replayed
+    step got 0.3 ms slower: benchmarks/results/2026-11-22-h100-probe11.)"""
+    fits = triton.next_power_of_2(k)
+    tiled = [(bn, bk, w, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
+    deferred = [(bn, bk, w, 1) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
+    deferred = deferred if weight_bytes == 1 else []
+    return [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
 
 
 def flags(norm: bool, silu_mul: bool, residual: bool) -> str:
@@ -60,12 +72,14 @@ def key(n: int, k: int, weight_bytes: int, fl: str) -> str:
     return f"{n}x{k}:{weight_bytes}:{fl}"
 
 
-def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an N x K weight: the tuned one, else a default."""
-    return BLOCKS.get(key(n, k, weight_bytes, fl), (8, min(512, triton.next_power_of_2(k)), 4))
+def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, defer) for an N x K weight: the tuned one, else a default.
+    Engines built before the deferred body stored three numbers: theirs is the per-tile one."""
+    found = BLOCKS.get(key(n, k, weight_bytes, fl), (8, min(512, triton.next_power_of_2(k)), 4))
+    return (*found, 0)[:4]
 
 
-def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int]]:
+def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int, int]]:
     """Time every candidate block shape for each (weight, flags) use, one row of x, on the
     weight's device, and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run once
     at build on the target GPU, stored with the engine, reloaded by `BLOCKS.update`."""
@@ -99,6 +113,7 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             end.synchronize()
             times[block] = start.elapsed_time(end) / reps
         found[name] = min(times, key=times.get)
+        TUNED_MS[name] = times[found[name]]
         del copies
     BLOCKS.update(found)
     return found
@@ -111,7 +126,7 @@ if triton is not None:
         x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
         M, N, rows_per_part, eps,
         K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DEFER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +138,10 @@ if triton is not None:
                 xf = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
                 ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if DEFER:  # noqa: SIM108 (one row: the tile's products kept as partial sums, reduced once after the loop)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         stride = 2 * K if SILU_MUL else K  # SILU_MUL: each row of x is [gate | up]
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -140,7 +158,12 @@ if triton is not None:
                 x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
             w_ok = n_ok[:, None] & k_ok[None, :]  # weights are read once: keep them out of L2's way
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if DEFER:
+                acc += tl.sum(x.to(tl.float32), axis=0)[None, :] * w.to(tl.float32)  # the one row, [1, BLOCK_K]
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if DEFER:
+            acc = tl.sum(acc, axis=1)[None, :]
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rn // rows_per_part, mask=n_ok, other=0.0)[None, :]
         out_ptrs = rm[:, None] * N + rn[None, :]
@@ -166,7 +189,7 @@ def launch(
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); block: (BLOCK_N,
-    BLOCK_K, num_warps), else `config_for` the shape."""
+    BLOCK_K, num_warps[, defer]), else `config_for` the shape; defer applies to one row only."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0]
@@ -176,7 +199,8 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    block_n, block_k, warps = block or config_for(n, k, w.element_size(), flags(norm is not None, silu_mul, residual is not None))
+    fl = flags(norm is not None, silu_mul, residual is not None)
+    block_n, block_k, warps, defer = (*(block or config_for(n, k, w.element_size(), fl)), 0)[:4]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
@@ -184,7 +208,8 @@ def launch(
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, n // parts, eps,
         K=k, NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        DEFER=bool(defer) and m == 1, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
