@@ -89,6 +89,22 @@ def test_rows_past_pos_do_not_count(splits):
         assert torch.allclose(dirty["k_cache"][:b, :, pos], clean["k_cache"][:b, :, pos], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_quant_gives_dense_its_fp8_input(splits):
+    """With dense's activation scale, y comes out as fp8.quantize(y, a) would make it, in one
+    kernel (splits 1) or in the combine (splits 2); a small scale makes some values saturate."""
+    from workflow import fp8
+
+    b, g, d, kv_len, pos = 2, 4, 32, 256, 130
+    args = make(b, g, d, kv_len, pos)
+    plain = attention.launch(**{k: v.clone() for k, v in args.items()}, kv_len=kv_len, eps=EPS, splits=splits)
+    a = torch.tensor([plain.abs().max().item() / 600])
+    got = attention.launch(**args, kv_len=kv_len, eps=EPS, splits=splits, quant=a)
+    want = fp8.quantize(plain, a)
+    assert got.dtype == torch.float8_e4m3fn and (want.float().abs() == 448).any()
+    assert torch.equal(got.float(), want.float())
+
+
 def test_custom_op_mutates_the_caches_and_has_a_fake():
     """The registered op: the schema's mutations and the fake output agree with the real kernel."""
     b, g, d, kv_len, pos = 1, 2, 32, 128, 9

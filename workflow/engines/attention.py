@@ -14,7 +14,10 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
   cache row just written, so no program reads what another one writes;
 - split-S (flash-decoding, `splits` > 1): SPLITS programs per (sequence, kv head), each over a
   slice of the positions, write partial max / sum / accumulator to a float32 scratch, and a
-  small second kernel combines them. At batch 1 there are only Hkv programs otherwise.
+  small second kernel combines them. At batch 1 there are only Hkv programs otherwise;
+- epilogue: y rounded to the input dtype, as SDPA's output is; with `quant` (dense's FP8
+  activation scale) then quantized as `fp8.quantize` does, so no quantize kernel runs between
+  attention and dense's GEMV.
 
 Measured on an H100 (bf16, Hkv 8, G 4, D 128, in a CUDA graph): 4.2-4.6 us at kv_len 128 (one
 kernel); at kv_len 1024 / 4096 one kernel takes 13-17 / 43-59 us at batch 1, 16 splits 6 / 9 us;
@@ -38,6 +41,7 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
+ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
 def available() -> bool:
@@ -70,11 +74,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn(
-        qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
+        qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
         qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
@@ -120,8 +124,8 @@ if triton is not None:
             m_i = m_new
         h = kvh * G + g
         if SPLITS == 1:
-            y = (acc / l_i[:, None]).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + b * H * D + h[:, None] * D + d[None, :], y, mask=g_ok[:, None])
+            y = _output(acc / l_i[:, None], quant_ptr, qkv_ptr.dtype.element_ty, QUANT)
+            tl.store(y_ptr + b * H * D + h[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=g_ok[:, None])
         else:  # partials [B, H, SPLITS(, D)], m in log2 units
             part = (b * H + h) * SPLITS + split
             tl.store(m_ptr + part, m_i, mask=g_ok)
@@ -129,7 +133,10 @@ if triton is not None:
             tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
 
     @triton.jit
-    def _combine(y_ptr, m_ptr, l_ptr, acc_ptr, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    def _combine(
+        y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
+        H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+    ):  # fmt: skip
         """y of one (sequence, head) from its SPLITS partial softmaxes."""
         bh = tl.program_id(0) * H + tl.program_id(1)
         sp, d = tl.arange(0, SP), tl.arange(0, D)
@@ -138,8 +145,29 @@ if triton is not None:
         w = tl.where(ok, tl.exp2(m - tl.max(m, axis=0)), 0.0)
         l_sum = tl.sum(w * tl.load(l_ptr + bh * SPLITS + sp, mask=ok, other=0.0), axis=0)
         acc = tl.load(acc_ptr + (bh * SPLITS + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        y = tl.sum(w[:, None] * acc, axis=0) / l_sum
+        y = _output(tl.sum(w[:, None] * acc, axis=0) / l_sum, quant_ptr, ACT, QUANT)
         tl.store(y_ptr + bh * D + d, y.to(y_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _fp8_round(v):
+        """v rounded to the nearest float8_e4m3fn value (ties to even), saturating at +-448, kept
+        in float32: exact arithmetic (no float8 cast, which Triton's interpreter rounds wrongly
+        where the mantissa carries), so the kernel and its CPU tests agree bit for bit."""
+        a = tl.abs(v)
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # e4m3's subnormals: 2^-6
+        ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): three mantissa bits
+        steps = (a * ((130 - e) << 23).to(tl.float32, bitcast=True) + 8388608.0) - 8388608.0  # rint(a / ulp) < 16
+        q = tl.minimum(steps * ulp, 448.0)
+        return tl.where(v < 0, -q, q)
+
+    @triton.jit
+    def _output(y, quant_ptr, ACT: tl.constexpr, QUANT: tl.constexpr):
+        """y rounded to the activations' dtype, as SDPA's output is; with QUANT, then quantized
+        for dense's FP8 input as `fp8.quantize` does."""
+        y = y.to(ACT)
+        if QUANT:
+            y = _fp8_round(tl.math.div_rn(y.to(tl.float32), tl.load(quant_ptr)))
+        return y
 
 
 def launch(
@@ -156,11 +184,13 @@ def launch(
     splits: int = 0,
     block_s: int = BLOCK_S,
     num_warps: int = NUM_WARPS,
+    quant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [B, 1, H*D] for qkv [B, 1, (H + 2 Hkv) D]; writes the new k, v into the caches
     [Bmax, Hkv, S, D] at pos (int64 [1], shared by the batch). Attends to positions < kv_len
     that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
-    combine; 0: `choose_splits`."""
+    combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
+    float8_e4m3fn input."""
     b, t, width = qkv.shape
     _, hkv, seq, d = k_cache.shape
     h = width // d - 2 * hkv
@@ -172,19 +202,22 @@ def launch(
         raise ValueError("decode_attention: qkv and the caches need unit stride on the last dimension")
     splits = splits or choose_splits(b, hkv, kv_len, qkv.device)
     split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_s) * block_s
-    y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype)
+    y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
     g = h // hkv
     _decode_attn[(b, hkv, splits)](
-        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc,
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
         H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        QUANT=quant is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
-        _combine[(b, h)](y, m, l_, acc, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=4)
+        _combine[(b, h)](
+            y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
+            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
+        )  # fmt: skip
     return y
 
 
@@ -192,6 +225,7 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: two cac
     decode_attention = torch.library.custom_op("mossbuild::decode_attention", launch, mutates_args=("k_cache", "v_cache"))
 
     @decode_attention.register_fake
-    def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S, num_warps=NUM_WARPS):
+    def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S,
+          num_warps=NUM_WARPS, quant=None):  # fmt: skip
         h = qkv.shape[-1] // k_cache.shape[-1] - 2 * k_cache.shape[1]
-        return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1])
+        return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1], dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)

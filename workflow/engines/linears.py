@@ -78,14 +78,21 @@ def project(
 ) -> torch.Tensor:
     """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
     silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
-    kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile)."""
-    if fused and x.numel() // x.shape[-1] <= gemv.MAX_M:
+    kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile),
+    unless x arrives quantized (float8: dense's input, from decode attention)."""
+    if fused and rows(x) <= gemv.MAX_M:
         if lin.a_scale is None:
             return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul)
+        if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
+            return gemv.gemv(x, lin.fp8_weight, residual.dtype, scale=lin.out_scale, residual=residual)
         xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
         return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
     y = linear(prologue(x, norm, eps, silu_mul), lin.weight, lin.a_scale, lin.w_scale)
     return y if residual is None else residual + y
+
+
+def rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
 
 
 def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: bool) -> torch.Tensor:
