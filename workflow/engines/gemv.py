@@ -53,8 +53,8 @@ L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: 
 def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int]]:
     """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
     tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
-    registers. (For bf16 the tuner picked it for dense, 0.3 us faster alone, and the replayed
-    step got 0.3 ms slower: benchmarks/results/2026-11-22-h100-probe11.)"""
+    registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
+    (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms)."""
     fits = triton.next_power_of_2(k)
     tiled = [(bn, bk, w, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
     deferred = [(bn, bk, w, 1) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
