@@ -94,6 +94,12 @@ def test_fp8_parts_take_their_own_scale():
     assert torch.allclose(got.double(), (xq.double() * a.item()) @ deq.t(), rtol=1e-5, atol=1e-6)
 
 
+def test_blocks_stored_before_the_deferred_body_still_load():
+    """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps): the per-tile body."""
+    gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4)
+    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 0)
+
+
 def test_too_many_rows_is_refused():
     with pytest.raises(ValueError, match="at most"):
         gemv.launch(torch.randn(gemv.MAX_M + 1, 8), torch.randn(4, 8), torch.float32)
