@@ -246,26 +246,34 @@ def main() -> None:
 
     tuned: dict[tuple[str, bool], dict] = {}  # (precision, deferred body offered) -> blocks: tune once
 
+    def tune_key(name: str) -> tuple[str, bool]:
+        return name.split()[0], "nodefer" not in name.split()[-1].split("+")
+
     def options(name: str) -> EngineOptions:
         words = name.split()[-1].split("+")
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
-            gemv_blocks=tuned.get((name.split()[0], "nodefer" not in words)), decode_attention="attn" in words,
+            gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:
         saved = gemv.DEFER_N_CHOICES
-        gemv.DEFER_N_CHOICES = () if "nodefer" in name else saved
+        gemv.DEFER_N_CHOICES = saved if tune_key(name)[1] else ()
         try:
             v = variant(name, spec, tensors, options(name), ref, prompts, ids, args.profile)
         finally:
             gemv.DEFER_N_CHOICES = saved
         if v.get("gemv_blocks"):
-            tuned[(name.split()[0], "nodefer" not in name)] = v["gemv_blocks"]
+            tuned[tune_key(name)] = v["gemv_blocks"]
         return v
 
+    def label(name: str) -> str:
+        """A variant named twice (timed again, to see drift) keeps both results."""
+        n = sum(k.split(" #")[0] == name for k in res["variants"])
+        return f"{name} #{n + 1}" if n else name
+
     for name in [n for n in args.variants.split(",") if n.startswith("bf16")]:
-        res["variants"][name] = run(name, trt)
+        res["variants"][label(name)] = run(name, trt)
     fp8_variants = [n for n in args.variants.split(",") if n.startswith("fp8")]
     if fp8_variants:  # FP8: modelopt on the reference over synthetic traffic, then the checkpoint's tensors
         t = time.time()
@@ -279,7 +287,7 @@ def main() -> None:
         res["fp8_calibration_s"] = time.time() - t
         say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
     for name in fp8_variants:
-        res["variants"][name] = run(name, fp8)
+        res["variants"][label(name)] = run(name, fp8)
     # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
     for fused in (False, True) if args.vocoder else ():
         t = time.time()

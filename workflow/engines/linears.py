@@ -80,7 +80,7 @@ def project(
     silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
     kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile),
     unless x arrives quantized (float8: dense's input, from decode attention)."""
-    if fused and rows(x) <= gemv.MAX_M:
+    if gemv_path(x, fused):
         if lin.a_scale is None:
             return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul)
         if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
@@ -91,8 +91,9 @@ def project(
     return y if residual is None else residual + y
 
 
-def rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
+def gemv_path(x: torch.Tensor, fused: bool) -> bool:
+    """Whether `project` takes x through the fused GEMV: fused asked for, few enough rows."""
+    return fused and x.numel() // x.shape[-1] <= gemv.MAX_M
 
 
 def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: bool) -> torch.Tensor:

@@ -26,7 +26,7 @@ from workflow import trtckpt
 from workflow.cudagraphs import Graphs
 from workflow.engines import attention, gemv
 from workflow.engines.base import Engine, merged_ids
-from workflow.engines.linears import Linear, LinearArgs, layer_linears, project, rms_norm, rope, rows
+from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
@@ -74,7 +74,7 @@ def layer_step(
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps)
     if fused_attention and mask is not None and t == 1:
-        fp8_in = fused and dense.a_scale is not None and rows(x) <= gemv.MAX_M  # dense's input as its GEMV reads it
+        fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
             qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
             quant=dense.a_scale if fp8_in else None,
