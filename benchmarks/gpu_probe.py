@@ -86,6 +86,56 @@ def micro(engine, ids, batches: tuple[int, ...] = (1,), repeat: int = 20) -> dic
     return out
 
 
+def replay_split(engine, ids, repeat: int = 20) -> dict:
+    """Where a timed decode step (audio, batch 1) goes: the engine call as the benchmark times
+    it, its graph replayed alone (synchronised each time), and replayed 20 times back to back
+    (no host work between), per step."""
+    if DEV.type != "cuda":
+        return {}
+    engine.prefill(traffic.speech_prompt(1, 512, ids, seed=0))
+    tok = torch.tensor([[ids.pad, 100]])
+    call = roofline.median(roofline.timed_ms(lambda: engine.decode(tok, need_text=False), DEV, repeat))
+    graph = next(g for k, (g, _, _) in engine.graphs.graphs.items() if k[0][:2] == (1, 1) and not k[1])
+
+    def burst() -> None:
+        for _ in range(20):
+            graph.replay()
+
+    out = {
+        "engine_call_ms": call,
+        "replay_ms": roofline.median(roofline.timed_ms(graph.replay, DEV, repeat)),
+        "replay_burst_ms": roofline.median(roofline.timed_ms(burst, DEV, 5)) / 20,
+    }
+    say(f"decode step split: {json.dumps(out)}")
+    return out
+
+
+def decode_after(engine, ids, rounds: int = 3) -> dict:
+    """One decode step (audio, batch 1) timed right after a burst of prefills, as `micro` and
+    the benchmark time it, and again after 200 untimed steps, in turn: a transient left by the
+    heavy prefills (clocks, power) shows as a difference. Wall-clock stamps (ms) go to the log,
+    to line up with a clock trace taken beside the probe."""
+    if DEV.type != "cuda":
+        return {}
+    prompt, tok = traffic.speech_prompt(1, 512, ids, seed=0), torch.tensor([[ids.pad, 100]])
+
+    def step() -> None:
+        engine.decode(tok, need_text=False)
+
+    out: dict[str, list[float]] = {"after_prefills_ms": [], "after_steps_ms": []}
+    for _ in range(rounds):
+        for _ in range(8):
+            engine.prefill(prompt)
+        say(f"  t={time.time():.3f} after prefills")
+        out["after_prefills_ms"].append(roofline.median(roofline.timed_ms(step, DEV, 20)))
+        for _ in range(200):
+            step()
+        say(f"  t={time.time():.3f} after steps")
+        out["after_steps_ms"].append(roofline.median(roofline.timed_ms(step, DEV, 20)))
+    say(f"decode after prefills / after steps: {json.dumps(out)}")
+    return out
+
+
 def profile(engine, ids) -> dict:
     """Where the time goes: the top kernels of one prefill of 512 and one eager decode step."""
     from torch.profiler import ProfilerActivity
@@ -113,10 +163,31 @@ def profile(engine, ids) -> dict:
             "gpu_ms": total / 1e3,
             "kernels": sum(e.count for e in events),
             "top": [(e.key[:90], round(e.device_time_total / 1e3, 3), e.count) for e in top],
+            "all": sorted((e.key[:120], round(e.device_time_total / 1e3, 4), e.count) for e in events),
         }
         say(f"profile {name}: {out[name]['gpu_ms']:.2f} ms GPU time in {out[name]['kernels']} kernels")
         for key, ms, n in out[name]["top"]:
             say(f"    {ms:8.3f} ms  x{n:<4d} {key}")
+    return out
+
+
+def prefill_ab(engine, ids, rounds: int = 4) -> dict:
+    """Prefill of 512 with FP8 fast accumulation off and on, timed in turn (A, B, A, B: drift
+    within the process hits both alike), each setting replayed from its own graph."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines.linears import Fp8Linear
+
+    prompt = traffic.speech_prompt(1, 512, ids, seed=0)
+    graphs, times = {}, {False: [], True: []}
+    for _ in range(rounds):
+        for on in (False, True):
+            for m in engine.modules():
+                if isinstance(m, Fp8Linear):
+                    m.fast_accum = on
+            engine.graphs = graphs.setdefault(on, Graphs(DEV))
+            times[on] += roofline.timed_ms(lambda: engine.prefill(prompt), DEV, 5)
+    out = {f"fast_accum_{int(on)}_ms": roofline.median(ts) for on, ts in times.items()}
+    say(f"prefill512 A/B fast accumulation: {json.dumps(out)}")
     return out
 
 
@@ -178,11 +249,15 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
     if options.cuda_graphs:
         v["graph_vs_eager_max_diff"] = decode_matches(eng, ids, traffic.speech_prompt(1, 64, ids, seed=3))
     v |= micro(eng, ids, (1, 32) if options.cuda_graphs else (1,))
+    v["decode_split"] = replay_split(eng, ids) if options.cuda_graphs else {}
+    v["decode_after"] = decode_after(eng, ids) if options.cuda_graphs else {}
     v["gemv_blocks"] = eng.gemv_blocks
     v["gemv_tuned_ms"] = {k: gemv.TUNED_MS[k] for k in eng.gemv_blocks if k in gemv.TUNED_MS}
     v["build_and_check_s"] = time.time() - t
     if with_profile and options.compile:
         v["profile"] = profile(eng, ids)
+    if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
+        v["prefill_ab"] = prefill_ab(eng, ids)
     say(f"{name}: {json.dumps(v)}")
     del eng
     free()
@@ -204,7 +279,8 @@ def main() -> None:
         default="bf16 eager,bf16 graphs,bf16 compile+graphs,bf16 compile+graphs+gemv,fp8 graphs,fp8 compile+graphs,"
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
-        "nodefer (no deferred GEMV body offered to the tuner)",
+        "nodefer (no deferred GEMV body offered to the tuner), fastacc (FP8 fast accumulation), ab (FP8: prefill "
+        "timed with fast accumulation off and on in turn)",
     )
     ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="kernel profile of one prefill and one decode step")
@@ -253,7 +329,7 @@ def main() -> None:
         words = name.split()[-1].split("+")
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
-            gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words,
+            gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

@@ -18,6 +18,7 @@ rule build:
         flags=("--compile " if config["engine"]["compile"] else "")
         + ("--gemv " if config["engine"]["gemv"] else "")
         + ("--decode-attention " if config["engine"]["decode_attention"] else "")
+        + ("--fp8-fast-accum " if config["engine"]["fp8_fast_accum"] else "")
         + ("" if config["engine"]["cuda_graphs"] else "--no-cuda-graphs"),
     shell:
         "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="torch backend: fuse elementwise work with torch.compile")
     ap.add_argument("--gemv", action="store_true", help="torch backend: decode's matmuls through the fused Triton GEMV")
     ap.add_argument("--decode-attention", action="store_true", help="torch backend: decode's attention as one Triton kernel")
+    ap.add_argument("--fp8-fast-accum", action="store_true", help="torch backend: FP8 GEMMs with fast accumulation")
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
     for flag, on, kernel in (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention)):
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
             raise InputError(where, f"{why}, not {args.backend} on {args.device}")
         if on and not kernel.available():
             raise InputError(f"config: engine.{flag}", "needs Triton, which is not installed (pip install triton)")
+    if args.fp8_fast_accum and args.backend != "torch":
+        raise InputError("config: engine.fp8_fast_accum", f"an option of the torch backend, not {args.backend}")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             "compile": args.compile,
             "gemv": args.gemv,
             "decode_attention": args.decode_attention,
+            "fp8_fast_accum": args.fp8_fast_accum,
         },
         "spec": spec.to_dict(),
         "versions": versions(),

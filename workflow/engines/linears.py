@@ -32,39 +32,43 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def linear(
-    x: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: tuple[torch.Tensor, ...] | None
-) -> torch.Tensor:
-    """x @ w^T, three ways. bf16: a_scale None. FP8 emulated exactly (CPU): w is the dequantized
-    weight and x is rounded through FP8 with a_scale. FP8 on CUDA: torch._scaled_mm over x
-    rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM wants that). w_scale
-    holds one scale tensor per part of w's rows: two where two checkpoint tensors were fused
-    (fc|gate), each keeping its own scale (one GEMM per part: a row-wise-scaled GEMM is slower;
-    separate tensors: cuBLASLt wants each scale's address aligned, which a slice is not)."""
-    if a_scale is None:
-        return F.linear(x, w)
-    if w_scale is None:
-        return F.linear(fp8.fake_quant(x, a_scale), w)
-    shape, x = x.shape, x.reshape(-1, x.shape[-1])
-    m, pad = x.shape[0], -x.shape[0] % 16
-    xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, a_scale)
-    parts = [
-        torch._scaled_mm(xq, part.t(), scale_a=a_scale, scale_b=scale, out_dtype=x.dtype)
-        for part, scale in zip(w.chunk(len(w_scale)), w_scale, strict=True)
-    ]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return y[:m].reshape(*shape[:-1], -1)
-
-
 class LinearArgs(NamedTuple):
-    """A linear's tensors as `project` takes them. weight, a_scale, w_scale: what `linear`
-    takes; fp8_weight and out_scale (a_scale x w_scale per part): what the FP8 GEMV reads."""
+    """A linear's tensors as `linear` and `project` take them. weight: bf16, FP8, or (CPU
+    emulation) FP8 dequantized; a_scale: FP8's activation scale; w_scale: the GEMM's weight
+    scale, part_scale: each part's own weight scale over it (fused parts only), fast_accum:
+    cuBLASLt's FP8 fast accumulation; fp8_weight and out_scale (a_scale x w_scale per part):
+    what the FP8 GEMV reads."""
 
     weight: torch.Tensor
     a_scale: torch.Tensor | None = None
-    w_scale: tuple[torch.Tensor, ...] | None = None
+    w_scale: torch.Tensor | None = None
+    part_scale: tuple[torch.Tensor, ...] | None = None
+    fast_accum: bool = False
     fp8_weight: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
+
+
+def linear(x: torch.Tensor, lin: LinearArgs) -> torch.Tensor:
+    """x @ w^T, three ways. bf16: no a_scale. FP8 emulated exactly (CPU): weight is the
+    dequantized weight, w_scale None, and x is rounded through FP8 with a_scale. FP8 on CUDA: one
+    torch._scaled_mm over x rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM
+    wants that), at w_scale; where two checkpoint tensors were fused (fc|gate), each keeping its
+    own scale, each part of the output is rescaled from w_scale to its own (compile fuses that
+    into the consumer; one GEMM is one launch less than two and a row-wise-scaled GEMM is
+    slower)."""
+    if lin.a_scale is None:
+        return F.linear(x, lin.weight)
+    if lin.w_scale is None:
+        return F.linear(fp8.fake_quant(x, lin.a_scale), lin.weight)
+    shape, x = x.shape, x.reshape(-1, x.shape[-1])
+    m, pad = x.shape[0], -x.shape[0] % 16
+    xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, lin.a_scale)
+    y = torch._scaled_mm(
+        xq, lin.weight.t(), scale_a=lin.a_scale, scale_b=lin.w_scale, out_dtype=x.dtype, use_fast_accum=lin.fast_accum
+    )
+    if lin.part_scale is not None:
+        y = torch.cat([(p * r).to(x.dtype) for p, r in zip(y.chunk(len(lin.part_scale), -1), lin.part_scale, strict=True)], -1)
+    return y[:m].reshape(*shape[:-1], -1)
 
 
 def project(
@@ -87,7 +91,7 @@ def project(
             return gemv.gemv(x, lin.fp8_weight, residual.dtype, scale=lin.out_scale, residual=residual)
         xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
         return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
-    y = linear(prologue(x, norm, eps, silu_mul), lin.weight, lin.a_scale, lin.w_scale)
+    y = linear(prologue(x, norm, eps, silu_mul), lin)
     return y if residual is None else residual + y
 
 
@@ -114,21 +118,26 @@ class Linear(nn.Module):
         return LinearArgs(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, *self.args()[:3])
+        return linear(x, self.args())
 
 
 class Fp8Linear(Linear):
     """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`);
     w_scale has one entry per part of the rows (fc|gate: two)."""
 
-    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype):
+    def __init__(
+        self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype, fast_accum: bool = False
+    ):
         nn.Module.__init__(self)
+        self.fast_accum = fast_accum
         self.register_buffer("weight", weight)
         self.register_buffer("w_scale", w_scale.float().reshape(-1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
         self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.row_scale()).to(dtype))
         self.register_buffer("out_scale", self.a_scale * self.w_scale)
-        self.part_scales = tuple(s.clone().reshape(1) for s in self.w_scale)
+        self.register_buffer("gemm_scale", self.w_scale[:1].clone())
+        ratios = self.w_scale / self.gemm_scale
+        self.part_scale = tuple(r.reshape(1) for r in ratios) if len(ratios) > 1 else None  # r[0] = 1: exact
 
     def row_scale(self) -> torch.Tensor:
         """[N, 1]: each output row's weight scale."""
@@ -136,12 +145,21 @@ class Fp8Linear(Linear):
 
     def args(self) -> LinearArgs:
         if self.w_deq is not None:  # CPU: exact emulation through the dequantized weight
-            return LinearArgs(self.w_deq, self.a_scale, None, self.weight, self.out_scale)
-        return LinearArgs(self.weight, self.a_scale, self.part_scales, self.weight, self.out_scale)
+            return LinearArgs(self.w_deq, self.a_scale, fp8_weight=self.weight, out_scale=self.out_scale)
+        return self.gemm_args()
+
+    def gemm_args(self) -> LinearArgs:
+        """What the FP8 GEMM (torch._scaled_mm) reads: CUDA's path, also runnable on CPU."""
+        return LinearArgs(
+            self.weight, self.a_scale, self.gemm_scale, self.part_scale, self.fast_accum, self.weight, self.out_scale
+        )
 
 
-def layer_linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
-    """The layer's linear modules; fc (SiLU side) and gate (up) fused as gate_up = [fc; gate]."""
+def layer_linears(
+    tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str, fast_accum: bool = False
+) -> dict[str, nn.Module]:
+    """The layer's linear modules; fc (SiLU side) and gate (up) fused as gate_up = [fc; gate].
+    fast_accum: FP8 GEMMs accumulate the fast way (see EngineOptions)."""
 
     def weight(name: str) -> torch.Tensor:
         return tensors[f"{prefix}{name}.weight"].to(device)
@@ -157,11 +175,11 @@ def layer_linears(tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dt
             tensors[f"{prefix}{name}.activation_scaling_factor"].to(device),
         )
 
-    out = {n: Fp8Linear(weight(n), *scales(n), dtype) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
+    out = {n: Fp8Linear(weight(n), *scales(n), dtype, fast_accum) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
     (w_fc, a_fc), (w_gate, a_gate) = scales("mlp.fc"), scales("mlp.gate")
     w_scale = torch.cat([w_fc.reshape(1), w_gate.reshape(1)])
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
     gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
-    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype)
+    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum)
     return out

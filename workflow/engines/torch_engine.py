@@ -45,6 +45,7 @@ class EngineOptions:
     gemv: bool = False  # decode's matmuls (<= gemv.MAX_M rows) through the fused Triton GEMV
     gemv_blocks: dict | None = None  # its block shapes per weight shape, tuned at build (gemv.tune)
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
+    fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
 
 
 def layer_step(
@@ -85,11 +86,13 @@ def layer_step(
         k = rope(rms_norm(k.view(b, t, -1, d), norms[3], eps), cos, sin).transpose(1, 2)
         v = v.view(b, t, -1, d).transpose(1, 2)
         k_cache, v_cache = k_cache[:b], v_cache[:b]
-        k_cache.index_copy_(2, pos, k)
-        v_cache.index_copy_(2, pos, v)
-        if mask is None:
+        if mask is None:  # prefill: positions 0..t-1, a plain slice (compile writes it in place, no scatter)
+            k_cache[:, :, :t].copy_(k)
+            v_cache[:, :, :t].copy_(v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
+            k_cache.index_copy_(2, pos, k)
+            v_cache.index_copy_(2, pos, v)
             kv_len = mask.shape[-1]
             k_seen, v_seen = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
@@ -150,7 +153,7 @@ class TorchEngine(Engine, nn.Module):
         self.layers = nn.ModuleList(
             Layer(
                 spec,
-                layer_linears(tensors, f"transformer.layers.{n}.", dt, dev),
+                layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
                 (options.gemv, options.decode_attention),
@@ -181,7 +184,7 @@ class TorchEngine(Engine, nn.Module):
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # device-side: the next position
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
-        self.static_ids: dict[tuple[int, int], torch.Tensor] = {}  # (batch, tokens) -> input buffer
+        self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
@@ -200,14 +203,14 @@ class TorchEngine(Engine, nn.Module):
                 uses.append((w, gemv.flags(norm and bf16, silu and bf16, res)))
         return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
-    def forward_ids(
-        self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None
+    def forward_tokens(
+        self, tokens: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """ids [B, T] rows of the embedding table at positions pos [T] -> both heads' logits.
+        """tokens [B, T, 2] (text id, audio id) at positions pos [T] -> both heads' logits.
         kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions."""
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = None if kv_len is None else torch.arange(kv_len, device=ids.device)[None, :] <= pos[:, None]
-        x = F.embedding(ids, self.embedding)
+        mask = None if kv_len is None else torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None]
+        x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
         for layer in self.trunk:
             x = layer(x, cos, sin, pos, mask)
         text, audio = x, x
@@ -228,8 +231,7 @@ class TorchEngine(Engine, nn.Module):
             raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
         self.batch, self.length = b, t
         self.pos.fill_(t)
-        ids = merged_ids(tokens.to(self.device), self.spec)
-        text, audio = self._step(ids, self.positions[:t], True, all_logits, None)
+        text, audio = self._step(tokens, self.positions[:t], True, all_logits, None)
         assert text is not None
         return text, audio
 
@@ -241,20 +243,31 @@ class TorchEngine(Engine, nn.Module):
         if self.length >= self.max_seq_len:
             raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
         kv_len = min(self.max_seq_len, -(-(self.length + 1) // KV_BUCKET) * KV_BUCKET)
-        ids = merged_ids(tokens.to(self.device), self.spec)[:, None]
-        out = self._step(ids, self.pos, need_text, False, kv_len)
+        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len)
         self.pos += 1
         self.length += 1
         return out
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None):
-        """forward_ids, replayed on CUDA from a graph per (shape, text head, bucket)."""
+    def _step(self, tokens: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None):
+        """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket). Host
+        tokens reach the graph's input through a pinned buffer, copied asynchronously, and the
+        embedding rows are chosen inside the graph: a step costs the host one copy and one launch."""
         if not self.use_graphs:
-            return self.forward_ids(ids, pos, need_text, all_logits, kv_len)
-        static = self.static_ids.setdefault(tuple(ids.shape), torch.empty_like(ids))
-        static.copy_(ids)
-        key = (tuple(ids.shape), need_text, all_logits, kv_len)
-        text, audio = self.graphs.run(key, lambda: self.forward_ids(static, pos, need_text, all_logits, kv_len))
+            return self.forward_tokens(tokens.to(self.device), pos, need_text, all_logits, kv_len)
+        shape = tuple(tokens.shape)
+        if shape not in self.static_tokens:
+            pinned = torch.empty(shape, dtype=torch.long, pin_memory=True)
+            self.static_tokens[shape] = (torch.empty(shape, dtype=torch.long, device=self.device), pinned, torch.cuda.Event())
+        static, pinned, copied = self.static_tokens[shape]
+        if tokens.device.type == "cpu":
+            copied.synchronize()  # the previous copy out of the pinned buffer has finished
+            pinned.copy_(tokens)
+            static.copy_(pinned, non_blocking=True)
+            copied.record()
+        else:
+            static.copy_(tokens)
+        key = (shape, need_text, all_logits, kv_len)
+        text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, need_text, all_logits, kv_len))
         return (None if text is None else text.clone()), audio.clone()
 
 
