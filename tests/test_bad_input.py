@@ -288,6 +288,11 @@ CASES: dict[str, Callable[..., Bad]] = {
     "triton_kernel_on_cpu": build(
         ["--gemv"], "config: engine.gemv", "a Triton kernel of the torch backend on cuda, not torch on cpu"
     ),
+    "fast_accumulation_off_the_torch_backend": build(
+        ["--backend", "trtllm", "--device", "cuda", "--fp8-fast-accum"],
+        "config: engine.fp8_fast_accum",
+        "an option of the torch backend, not trtllm",
+    ),
     "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),
     "unknown_precision": build(["--precision", "int4"], "config: engine", "unknown precision 'int4' (known: bf16, fp8)"),
     "precision_does_not_fit_checkpoint": build(

@@ -1,16 +1,17 @@
 """Our PyTorch engine: reads the TensorRT-LLM checkpoint, three static KV caches, two heads.
 
-gpt-fast in spirit: plain modules, static cache buffers written with index_copy_, masks
-derived on the device from the positions, no host syncs in a step. Layers 0..S-1 are the
-trunk, then the text branch, then the audio branch; each layer owns its cache, so branches
-cannot alias. On CUDA each decode step is replayed from a CUDA graph (one per batch size,
-text-head need and attention bucket); decode attends to the first `kv_len` cached positions,
-a multiple of KV_BUCKET just past the sequence, rather than to the whole cache. A layer is a
-pure function of its tensors (`layer_step`), so that with `compile` one torch.compile'd
-version of it, with the elementwise work between the matmuls fused, serves every layer. With
-`gemv` and `decode_attention`, decode goes through our Triton kernels (workflow.engines.gemv,
-.attention): the matmuls with their norms and residual adds, and the whole attention, each one
-kernel; linears.py holds the linear layers and `project`, which picks the path.
+gpt-fast in spirit: plain modules, static cache buffers (prefill writes positions 0..T-1 as a
+slice, decode with index_copy_), masks derived on the device from the positions, no host syncs
+in a step. Layers 0..S-1 are the trunk, then the text branch, then the audio branch; each layer
+owns its cache, so branches cannot alias. On CUDA each decode step is replayed from a CUDA
+graph (one per batch size, text-head need and attention bucket); decode attends to the first
+`kv_len` cached positions, a multiple of KV_BUCKET just past the sequence, rather than to the
+whole cache. A layer is a pure function of its tensors (`layer_step`), so that with `compile`
+one torch.compile'd version of it, with the elementwise work between the matmuls fused, serves
+every layer. With `gemv` and `decode_attention`, decode goes through our Triton kernels
+(workflow.engines.gemv, .attention): the matmuls with their norms and residual adds, and the
+whole attention, each one kernel; linears.py holds the linear layers and `project`, which picks
+the path.
 """
 
 from __future__ import annotations
