@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.probe_parts import loop, loop_line, vocoder_times
 from workflow import calibrate, roofline, traffic, verify
 from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
@@ -31,10 +32,10 @@ from workflow.names import hf_to_trt
 from workflow.reference import MossSpeechReference
 from workflow.spec import PRESETS
 from workflow.synthetic import synthetic_state
-from workflow.vocoder import Graphed, load_bigvgan
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a local smoke run on tiny
 LOG: list[str] = []
+OUT_DIR = Path(".")  # --out's folder: traces go beside it
 
 
 def say(msg: str) -> None:
@@ -258,6 +259,8 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
+    if "loop" in name.split()[-1].split("+"):
+        v["loop"] = loop(eng, ids, DEV, OUT_DIR / f"loop-trace-{name.split()[0]}.json.gz")
     say(f"{name}: {json.dumps(v)}")
     del eng
     free()
@@ -280,12 +283,15 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), fastacc (FP8 fast accumulation), ab (FP8: prefill "
-        "timed with fast accumulation off and on in turn)",
+        "timed with fast accumulation off and on in turn), loop (the benchmark's stream, its vocoder left out: "
+        "TTFA less the vocoder, decode steps with their host work)",
     )
     ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action="store_true", help="kernel profile of one prefill and one decode step")
     ap.add_argument("--gemm", action="store_true", help="bare bf16 GEMV and FP8 _scaled_mm times of the trunk shapes")
     args = ap.parse_args()
+    global OUT_DIR
+    OUT_DIR = args.out.parent
     dtype, vocoder_name = (
         ("bfloat16", "bigvgan_v2_24khz_100band_256x") if DEV.type == "cuda" else ("float32", "reduced_24khz_100band_256x")
     )
@@ -364,40 +370,8 @@ def main() -> None:
         say(f"FP8 calibration ({args.calib_samples} samples) {res['fp8_calibration_s']:.1f} s")
     for name in fp8_variants:
         res["variants"][label(name)] = run(name, fp8)
-    # the vocoder: the exact BigVGAN-v2 24 kHz config, random weights, bf16
-    for fused in (False, True) if args.vocoder else ():
-        t = time.time()
-        model, info = load_bigvgan(vocoder_name, None, DEV, getattr(torch, dtype), fused_kernel=fused)
-        say(f"vocoder loaded (fused requested {fused}, ran {info.fused_kernel}) in {time.time() - t:.1f} s")
-        for b in (1, 32):
-            mel = torch.randn(b, 100, 38, device=DEV, dtype=getattr(torch, dtype))
-            graphed = Graphed(model, DEV)
-            eager = roofline.median(roofline.timed_ms(lambda m=model, x=mel: m(x), DEV, 10))
-            g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), DEV, 10))
-            diff = float((graphed(mel).float() - model(mel).float()).abs().max())
-            res[f"vocoder_fused{int(info.fused_kernel)}_b{b}"] = {
-                "eager_ms": eager,
-                "graph_ms": g,
-                "graph_vs_eager_max_diff": diff,
-            }
-            say(f"vocoder b{b} fused={info.fused_kernel}: eager {eager:.2f} ms, graph {g:.2f} ms, diff {diff:.2e}")
-        if not fused:  # the same model under torch.compile (dynamic shapes: chunk lengths, batch sizes)
-            compiled = torch.compile(model, dynamic=True)
-            for b, frames in ((1, 38), (1, 37), (32, 38)):
-                mel = torch.randn(b, 100, frames, device=DEV, dtype=getattr(torch, dtype))
-                t = time.time()
-                with torch.no_grad():
-                    compiled(mel)
-                roofline.sync(DEV)
-                first_s = time.time() - t
-                graphed = Graphed(compiled, DEV)
-                g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), DEV, 10))
-                with torch.no_grad():
-                    diff = float((graphed(mel).float() - model(mel).float()).abs().max())
-                res[f"vocoder_compiled_b{b}_f{frames}"] = {"first_call_s": first_s, "graph_ms": g, "vs_eager_max_diff": diff}
-                say(f"vocoder compiled b{b} f{frames}: first call {first_s:.1f} s, graph {g:.2f} ms, diff {diff:.2e}")
-        if not info.fused_kernel and fused:
-            break
+    if args.vocoder:
+        res |= vocoder_times(DEV, getattr(torch, dtype), vocoder_name, say)
     args.out.write_text(json.dumps(res, indent=2))
     print(
         "\n| variant | top1 text/audio | KL text/audio | prefill512 ms | decode b1 audio ms (x floor) | text ms | b32 audio ms |"
@@ -415,6 +389,9 @@ def main() -> None:
             f"{v['prefill512_ms']:.2f} | {v['decode_audio_b1_ms']:.3f} ({v['decode_audio_b1_ms'] / floor:.2f}) | "
             f"{v['decode_text_b1_ms']:.3f} | {v.get('decode_audio_b32_ms', float('nan')):.3f} |"
         )
+    for name, v in res["variants"].items():
+        if "loop" in v:
+            print(loop_line(name, v["loop"]))
     print(f"floors ms: {json.dumps({k: round(x, 3) for k, x in floors.items()})}")
 
 

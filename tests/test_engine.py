@@ -109,7 +109,15 @@ def test_decode_writes_each_branch_cache_at_the_step_position(engine):
 
 
 def test_skipping_the_text_head_changes_nothing_else(engine):
+    """At prefill and decode: the text branch's cache is filled all the same, greedy output
+    is unchanged."""
     ids = Ids.of(engine.spec)
+    prompt = traffic.speech_prompt(2, 12, ids, seed=19)
+    _, want_audio = engine.prefill(prompt)
+    want_next, _ = engine.decode(prompt[:, -1])
+    skipped, audio = engine.prefill(prompt, need_text=False)
+    assert skipped is None and torch.equal(audio, want_audio)
+    assert torch.equal(engine.decode(prompt[:, -1])[0], want_next)
     prompt = traffic.speech_prompt(2, 32, ids, seed=17)  # ends in start-of-speech: audio mode
     with_head = generate(engine, prompt, 40, ids, skip_text_head=False)
     without = generate(engine, prompt, 40, ids, skip_text_head=True)

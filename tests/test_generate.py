@@ -17,7 +17,7 @@ class Scripted(Engine):
 
     def __init__(self, script: list[tuple[int, int]]):
         self.spec, self.device, self.max_batch, self.max_seq_len = SPEC, torch.device("cpu"), 1, 1 << 20
-        self.script, self.fed, self.need_text = list(script), [], []
+        self.script, self.fed, self.need_text, self.prefill_need_text = list(script), [], [], None
 
     def _logits(self):
         text, audio = self.script.pop(0)
@@ -26,8 +26,10 @@ class Scripted(Engine):
         a[0, audio] = 10.0
         return t, a
 
-    def prefill(self, tokens, all_logits=False):
-        return self._logits()
+    def prefill(self, tokens, all_logits=False, need_text=True):
+        self.prefill_need_text = need_text
+        t, a = self._logits()
+        return (t if need_text else None), a
 
     def decode(self, tokens, need_text=True):
         self.fed.append(tokens[0].tolist())
@@ -57,7 +59,39 @@ def test_text_to_speech_to_text_to_stop():
     assert out.stopped_at == [6]
     assert out.audio_codes(0, IDS) == [30, 31]
     # the text head is skipped exactly where every sequence is in audio mode
+    assert eng.prefill_need_text is True
     assert eng.need_text == [True, False, False, False, True, True]
+
+
+def test_a_prompt_ending_in_start_of_speech_skips_the_text_head_at_prefill():
+    prompt = torch.tensor([[[100, IDS.audio_pad], [IDS.sosp, IDS.audio_pad]]])
+    eng = Scripted([(5, 30), (6, IDS.eosp), (7, 1)])
+    out = generate(eng, prompt, 3, IDS)
+    assert eng.prefill_need_text is False and eng.need_text == [False, True]
+    assert out.tokens[0].tolist() == [[IDS.pad, 30], [IDS.pad, IDS.eosp], [7, IDS.audio_pad]]
+    eng = Scripted([(5, 30)])
+    generate(eng, prompt, 1, IDS, skip_text_head=False)
+    assert eng.prefill_need_text is True
+
+
+def test_on_step_gets_host_modes_before_the_steps_one_wait(monkeypatch):
+    """on_step must come before the host waits for the step (what it enqueues, e.g. a chunk
+    for the vocoder, then runs right behind the sampling) and get the modes as host booleans
+    (reading them from the device would be a wait of its own)."""
+    log, real = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (log.append("wait") if t.dtype == torch.bool else None, real(t))[1])
+    script = [(IDS.sosp, 1), (9, 30), (9, IDS.eosp), (IDS.stop[0], 4)]
+    modes = []
+
+    def on_step(step, tokens, audio_mode):
+        log.append(f"step {step}")
+        modes.append(audio_mode)
+
+    out = generate(Scripted(script), text_prompt(), 10, IDS, on_step=on_step)
+    assert log == ["wait", "step 0", "wait", "step 1", "wait", "step 2", "wait", "step 3", "wait"]
+    assert modes == [[False], [True], [True], [False]]
+    assert all(type(m) is bool for row in modes for m in row)
+    assert out.audio_mode[0].tolist() == [m[0] for m in modes]
 
 
 def test_stop_id_in_audio_mode_does_not_stop():
@@ -115,6 +149,35 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(nucleus.tolist()) == {0, 1}  # 0.5 + 0.3 crosses 0.75
     wide = sample(p, Sampling(temperature=1.0, top_k=0, top_p=1.0), g)
     assert set(wide.tolist()) == {0, 1, 2, 3}
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """The exponential race must be multinomial sampling: frequencies match the softmax (4
+    sigma bounds at 40000 draws), a token of probability 0 never wins."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    draws = sample(p.log().repeat(40000, 1), Sampling(temperature=1.0, top_k=0, top_p=1.0), g)
+    freq = torch.bincount(draws, minlength=5).double() / draws.numel()
+    assert freq[4] == 0
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / draws.numel()).sqrt() + 1e-12).all(), freq
+
+
+def test_top_k_then_top_p_draw_from_the_renormalised_nucleus_of_a_shuffled_row():
+    """Sampling runs on the sorted row: the draws must come back as the row's own ids, with
+    the probabilities of the top-k-then-top-p distribution (4 sigma at 40000 draws)."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.tensor([0.02, 0.3, 0.01, 0.15, 0.4, 0.12])  # top-3: 4, 1, 3; of these top-p 0.7 keeps 4, 1
+    draws = sample(p.log().repeat(40000, 1), Sampling(temperature=1.0, top_k=3, top_p=0.7), g)
+    kept = torch.tensor([0.0, 0.3, 0.0, 0.0, 0.4, 0.0]) / 0.7
+    freq = torch.bincount(draws, minlength=6).double() / draws.numel()
+    assert ((freq - kept).abs() <= 4 * (kept * (1 - kept) / draws.numel()).sqrt() + 1e-12).all(), freq
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[5.0, 1.0, 3.0, 3.0, 0.0]]).repeat(4000, 1)
+    draws = sample(logits, Sampling(temperature=1.0, top_k=2, top_p=1.0), g)
+    assert set(draws.tolist()) == {0, 2, 3}
 
 
 def test_temperature_sharpens():

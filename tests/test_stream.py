@@ -35,9 +35,9 @@ class TimedScript(Scripted):
         super().__init__([(0, c) for c in codes])
         self.clock = clock
 
-    def prefill(self, tokens, all_logits=False):
+    def prefill(self, tokens, all_logits=False, need_text=True):
         self.clock.t += 0.050
-        return super().prefill(tokens, all_logits)
+        return super().prefill(tokens, all_logits, need_text)
 
     def decode(self, tokens, need_text=True):
         self.clock.t += 0.010
@@ -159,9 +159,11 @@ def test_inline_times_each_stage_with_the_clock():
     detok = Inline(mel, vocoder, SPT, 2, torch.device("cpu"), clock)
     clock.t = 1.0
     assert detok.start() == 1.0
-    detok.submit(torch.zeros(2, 2, dtype=torch.long), 0, t_start=1.0)
+    t_start = detok.stamp()
+    clock.t = 1.5  # a stamp keeps the time it was taken at
+    detok.submit(torch.zeros(2, 2, dtype=torch.long), 0, t_start=t_start)
     chunks, pcm = detok.finish()
-    assert chunks == [Chunk(2, 1.0, pytest.approx(1.002), pytest.approx(1.032))]
+    assert chunks == [Chunk(2, 1.0, pytest.approx(1.502), pytest.approx(1.532))]
     assert pcm.shape == (2, 2 * SPT)
 
 

@@ -16,6 +16,11 @@ differs:
   stream has the highest priority: when both have work, the GPU runs the vocoder's blocks
   first. With `first_alone`, decoding waits for the first chunk's PCM (once): that chunk is
   vocoded with the GPU to itself, as in line, which is what time to first audio measures.
+
+Both also give the stream's own timestamps as `Stamp`s: taken now, read later. In line a stamp
+is the clock's reading; overlapped it is a CUDA event on the decoding stream, so taking one does
+not make the host wait for the GPU (a wait would hold back the launch of the work after it, and
+the timing would change what it times).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 Clock = Callable[[], float]
+Stamp = Callable[[], float]  # a time taken at some point, read (as host seconds) after finish()
 Mel = Callable[[torch.Tensor, int], torch.Tensor]  # (codes [B, K], codes before them) -> mel [B, M, F]
 Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel [B, M, F] -> waveform [B, 1, F x hop]
 
@@ -89,12 +95,17 @@ class Inline:
         """The request's time."""
         return self.clock()
 
-    def submit(self, codes: torch.Tensor, done: int, t_start: float) -> None:
+    def stamp(self) -> Stamp:
+        """The clock now."""
+        t = self.clock()
+        return lambda: t
+
+    def submit(self, codes: torch.Tensor, done: int, t_start: Stamp) -> None:
         """Detokenize codes [B, K] (after `done` earlier codes), whose last was sampled at t_start."""
         m = self.mel(codes, done)
         t_mel = self.clock()
         self.pcm.add(self.vocoder(m), codes.shape[1])
-        self.chunks.append(Chunk(codes.shape[1], t_start, t_mel, self.clock()))
+        self.chunks.append(Chunk(codes.shape[1], t_start(), t_mel, self.clock()))
 
     def finish(self) -> tuple[list[Chunk], torch.Tensor]:
         """Every chunk's times, and the PCM [B, codes x samples_per_token]."""
@@ -119,7 +130,7 @@ class Overlapped:
         self.t_anchor = 0.0
         with torch.cuda.stream(self.side):
             self.pcm = _Pcm(torch.zeros(batch, 0, device=device), samples_per_token)
-        self.events: list[tuple[int, float, torch.cuda.Event, torch.cuda.Event]] = []
+        self.events: list[tuple[int, Stamp, torch.cuda.Event, torch.cuda.Event]] = []
         self.inputs: list[torch.Tensor] = []
 
     def start(self) -> float:
@@ -129,7 +140,13 @@ class Overlapped:
         self.t_anchor = self.clock()
         return self.t_anchor
 
-    def submit(self, codes: torch.Tensor, done: int, t_start: float) -> None:
+    def stamp(self) -> Stamp:
+        """An event recorded on the decoding stream now: no waiting; read after finish()."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.main)
+        return lambda: host_time(self.t_anchor, self.anchor.elapsed_time(event))
+
+    def submit(self, codes: torch.Tensor, done: int, t_start: Stamp) -> None:
         """Enqueue codes [B, K] on the side stream and return at once."""
         self.side.wait_stream(self.main)  # the codes are computed
         # made on the decoding stream, read on the side one: held until finish() so that the
@@ -156,7 +173,7 @@ class Overlapped:
         def t(event: torch.cuda.Event) -> float:
             return host_time(at, self.anchor.elapsed_time(event))
 
-        chunks = [Chunk(k, t_start, t(m), t(r)) for k, t_start, m, r in self.events]
+        chunks = [Chunk(k, t_start(), t(m), t(r)) for k, t_start, m, r in self.events]
         return chunks, pcm
 
 

@@ -124,7 +124,10 @@ class ReferenceEngine:
         self.max_batch, self.max_seq_len = 1 << 16, model.spec.max_position_embeddings
         self.caches: tuple[DynamicCache, DynamicCache] | None = None
 
-    def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """need_text is ignored (here and in decode): the reference always computes both paths."""
         text, audio, self.caches = self.model(tokens.to(self.device))
         return (text, audio) if all_logits else (text[:, -1], audio[:, -1])
 

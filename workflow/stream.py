@@ -1,27 +1,27 @@
 """One streaming speech request, timed: prompt -> prefill -> audio codes one step at a time
 through the real modality-switching loop -> every K codes a chunk through the detokenizer.
 
-Every decode timestamp is taken after a synchronisation (the `clock` does both), so it means
-"this work is done". Time to first audio is request -> first PCM chunk ready; RTF is wall time
-(request -> last chunk's PCM ready) over seconds of audio produced (codes x 80 ms). The
-detokenizer (`workflow.detokenize`) runs either in line with decoding, each chunk timed by the
-clock, which synchronises the whole device (a one-stream server; always so on the CPU), or,
-with `benchmark.vocoder.overlap` on CUDA, on a second stream overlapped with the next decode
-steps: then the clock synchronises only the decoding stream, and each chunk's times come from
-CUDA events, put on the same host clock and never earlier than the truth.
-"""
+Every timestamp means "this work is done". Time to first audio is request -> first PCM chunk
+ready; RTF is wall time (request -> last chunk's PCM ready) over seconds of audio produced
+(codes x 80 ms). The detokenizer (`workflow.detokenize`) runs either in line with decoding,
+every time read by the clock, which synchronises the whole device first (a one-stream server;
+always so on the CPU), or, with `benchmark.vocoder.overlap` on CUDA, on a second stream
+overlapped with the next decode steps: then every time (prefill done, each step's codes
+sampled, each chunk's mel and PCM) is a CUDA event, read after the request and put on the same
+host clock, never earlier than the truth, so that timing never makes the host wait."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from workflow import roofline
-from workflow.detokenize import Chunk, Clock, Mel, Vocoder, detokenizer
+from workflow.detokenize import Chunk, Clock, Mel, Stamp, Vocoder, detokenizer
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling, generate
 from workflow.vocoder import SECONDS_PER_TOKEN
@@ -86,16 +86,18 @@ class Timeline:
 
 
 class _Timed(Engine):
-    """Wraps an engine to timestamp the end of prefill."""
+    """Wraps an engine to stamp the end of prefill (without waiting for it: `Stamp`)."""
 
-    def __init__(self, inner: Engine, clock: Clock, timeline: Timeline):
-        self.inner, self.clock, self.timeline = inner, clock, timeline
+    def __init__(self, inner: Engine, stamp: Callable[[], Stamp]):
+        self.inner, self.stamp, self.t_prefill = inner, stamp, None
         self.spec, self.device = inner.spec, inner.device
         self.max_batch, self.max_seq_len = inner.max_batch, inner.max_seq_len
 
-    def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.inner.prefill(tokens, all_logits)
-        self.timeline.t_prefill = self.clock()
+    def prefill(
+        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        out = self.inner.prefill(tokens, all_logits, need_text)
+        self.t_prefill = self.stamp()
         return out
 
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -120,28 +122,34 @@ def run_stream(
     """Stream `num_tokens` audio codes for each prompt row; returns the timeline and the PCM
     [B, num_tokens * samples_per_token]: each chunk emits exactly its codes x 80 ms.
 
-    With overlap on CUDA the detokenizer runs on a side stream; `clock` must then synchronise
-    the current stream only (`device_clock(device, stream_only=True)`); first_alone: decoding
+    With overlap on CUDA the detokenizer runs on a side stream and the stream's timestamps
+    are CUDA events (`detokenize.Stamp`): the host never waits to read a time, and a chunk is
+    enqueued right behind the sampling of its last code. `clock` must then synchronise the
+    current stream only (`device_clock(device, stream_only=True)`); first_alone: decoding
     waits once, for the first chunk's PCM (`detokenize.Overlapped`)."""
     detok = detokenizer(mel, vocoder, samples_per_token, prompt.shape[0], engine.device, clock, overlap, first_alone)
     timeline = Timeline(t_request=detok.start())
+    tokens_at: list[Stamp] = []
+    resumed_at: list[Stamp] = []
     codes: list[torch.Tensor] = []
     done = 0
 
-    def on_step(step: int, tokens: torch.Tensor, audio_mode: torch.Tensor) -> None:
+    def on_step(step: int, tokens: torch.Tensor, audio_mode: list[bool]) -> None:
         nonlocal done
-        timeline.t_tokens.append(clock())
-        if audio_mode.all():
+        tokens_at.append(detok.stamp())
+        if all(audio_mode):
             codes.append(tokens[:, 1])
         pending = len(codes) - done
         if pending == chunk_tokens or (step == num_tokens - 1 and pending):
-            detok.submit(torch.stack(codes[done:], dim=1), done, timeline.t_tokens[-1])
+            detok.submit(torch.stack(codes[done:], dim=1), done, tokens_at[-1])
             done += pending
-        timeline.t_resume.append(clock())
+        resumed_at.append(detok.stamp())
 
-    engine = _Timed(engine, clock, timeline)
-    generate(engine, prompt, num_tokens, ids, sampling, generator, min_speech_tokens=num_tokens, on_step=on_step)
+    timed = _Timed(engine, detok.stamp)
+    generate(timed, prompt, num_tokens, ids, sampling, generator, min_speech_tokens=num_tokens, on_step=on_step)
     timeline.chunks, audio = detok.finish()
+    timeline.t_prefill = timed.t_prefill()
+    timeline.t_tokens, timeline.t_resume = [t() for t in tokens_at], [t() for t in resumed_at]
     return timeline, audio
 
 

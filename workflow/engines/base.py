@@ -2,8 +2,12 @@
 
 An engine holds its KV caches (trunk, text branch, audio branch: distinct layers) and answers:
 
-    prefill(tokens [B, T, 2]) -> (text_logits, audio_logits)   starts B new sequences
+    prefill(tokens [B, T, 2]) -> (text_logits | None, audio_logits)   starts B new sequences
     decode(tokens [B, 2])     -> (text_logits | None, audio_logits)   one step for each
+
+Both take need_text: False when every sequence's next token is sampled in audio mode, whose
+text logits are never read (FACTS.md section 1); the engine may then skip the text head (a
+151 k x 4 k weight read) and return None, while the text branch still fills its KV cache.
 
 Each position carries (text id, audio id). Its embedding is the text one unless the text id
 is modality_pad, then the audio one: `merged_ids` turns that choice into one row index of
@@ -35,9 +39,11 @@ class Engine(ABC):
     max_seq_len: int
 
     @abstractmethod
-    def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Start len(tokens) new sequences. Logits of the last position ([B, V], [B, Va]), or of
-        every position ([B, T, V], [B, T, Va]) with all_logits. float32."""
+        every position ([B, T, V], [B, T, Va]) with all_logits. float32. need_text: as decode."""
 
     @abstractmethod
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -226,15 +226,15 @@ class TorchEngine(Engine, nn.Module):
         return text_logits, project(audio, self.audio_lm_head.args(), fused, self.audio_ln_f, eps).float()
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         b, t, _ = tokens.shape
         if b > self.max_batch or t > self.max_seq_len:
             raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
         self.batch, self.length = b, t
         self.pos.fill_(t)
-        text, audio = self._step(tokens, self.positions[:t], True, all_logits, None)
-        assert text is not None
-        return text, audio
+        return self._step(tokens, self.positions[:t], need_text, all_logits, None)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -243,7 +243,10 @@ class TrtllmEngine(Engine):
         return outputs
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The engine always computes both heads (one network); need_text only drops the text logits."""
         b, t, _ = tokens.shape
         if b > self.max_batch or t > self.max_seq_len:
             raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
@@ -257,7 +260,7 @@ class TrtllmEngine(Engine):
             text, audio = text.view(b, t, -1), audio.view(b, t, -1)
             if not all_logits:
                 text, audio = text[:, -1], audio[:, -1]
-        return text.float(), audio.float()
+        return (text.float() if need_text else None), audio.float()
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -1,0 +1,127 @@
+"""Parts of the GPU probe that time more than one engine call: the vocoder, and the streaming
+loop itself (prefill, decode steps with their host work, the detokenizer's mel stage).
+
+Kept apart from gpu_probe.py, which builds and checks the engine variants these time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from workflow import roofline, traffic
+from workflow.generate import Ids, Sampling
+from workflow.stream import SECONDS_PER_TOKEN, check_stream, device_clock, run_stream
+from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
+
+LOOP = {"prompt_len": 512, "num_tokens": 50, "chunk_tokens": 5, "runs": 5}  # config/full.yaml's stream
+
+
+def loop(engine, ids: Ids, dev: torch.device, trace: Path | None = None) -> dict:
+    """The benchmark's stream (one, sampled, detokenizer overlapped) with a vocoder that returns
+    a constant at once: TTFA less the vocoder, broken down (prefill, the first token's sampling,
+    the decode steps before the first chunk, the chunk on the side stream), each decode step as
+    the loop sees it, host work included, and one stream under the profiler: the GPU's busy
+    time against the wall. trace: where to write a gzipped Chrome trace (host and GPU) of a
+    short stream of two chunks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mel = MelStandIn(ids.eosp + 1, 100, 24000 / 256, dev)
+    spt, k, n = round(SECONDS_PER_TOKEN * 24000), LOOP["chunk_tokens"], LOOP["num_tokens"]
+    prompt = traffic.speech_prompt(1, LOOP["prompt_len"], ids, 0)
+    clock = device_clock(dev, stream_only=True)
+
+    def constant(m: torch.Tensor) -> torch.Tensor:
+        return torch.full((m.shape[0], 1, m.shape[-1] * 256), 1e-3, device=dev, dtype=m.dtype)
+
+    def one(seed: int, n: int = n):
+        g = torch.Generator(dev).manual_seed(seed)
+        t, audio = run_stream(engine, mel, constant, prompt, n, k, spt, ids, clock, Sampling(), g, True, True)
+        assert not check_stream(t, audio, n, k, spt), check_stream(t, audio, n, k, spt)
+        return t
+
+    one(0)  # warm-up
+    runs = [one(1 + i) for i in range(LOOP["runs"])]
+    ms = 1e3
+    out = {
+        "ttfa_no_vocoder_ms": [(t.ttfa_ms()) for t in runs],
+        "prefill_ms": [ms * (t.t_prefill - t.t_request) for t in runs],
+        "first_sample_ms": [ms * (t.t_tokens[0] - t.t_prefill) for t in runs],
+        "first_chunk_steps_ms": [t.stages()["decode_step_ms"][: k - 1] for t in runs],
+        "first_chunk_side_ms": [ms * (t.chunks[0].t_ready - t.t_tokens[k - 1]) for t in runs],
+        "decode_step_p50_ms": roofline.median([x for t in runs for x in t.stages()["decode_step_ms"]]),
+        "wall_ms": [ms * t.wall_s() for t in runs],
+    }
+    with profile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as p:
+        t = one(99)
+    events = [e for e in p.key_averages() if e.device_time_total > 0]
+    busy = sum(e.device_time_total for e in events) / 1e3
+    top = sorted(events, key=lambda e: -e.device_time_total)[:16]
+    out["profiled"] = {
+        "wall_ms": ms * t.wall_s(),
+        "kernel_ms": busy,
+        "kernels": sum(e.count for e in events),
+        "top": [(e.key[:90], round(e.device_time_total / 1e3, 3), e.count) for e in top],
+    }
+    if trace is not None and dev.type == "cuda":
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            one(98, 2 * k)
+        raw = trace.with_suffix(".tmp")
+        p.export_chrome_trace(str(raw))
+        trace.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
+    return out
+
+
+def loop_line(name: str, lp: dict) -> str:
+    """One line of the probe's closing summary."""
+    med = roofline.median
+    return (
+        f"{name}: loop TTFA-less-vocoder {med(lp['ttfa_no_vocoder_ms']):.2f} = prefill {med(lp['prefill_ms']):.2f}"
+        f" + first sample {med(lp['first_sample_ms']):.2f} + steps {[round(x, 2) for x in lp['first_chunk_steps_ms'][0]]}"
+        f" + side {med(lp['first_chunk_side_ms']):.2f}; in-loop step p50 {lp['decode_step_p50_ms']:.3f} ms; profiled "
+        f"stream {lp['profiled']['wall_ms']:.1f} ms wall, {lp['profiled']['kernel_ms']:.1f} ms kernels"
+    )
+
+
+def vocoder_times(dev: torch.device, dtype: torch.dtype, name: str, say: Callable[[str], None]) -> dict:
+    """The exact BigVGAN-v2 24 kHz config, random weights: eager, graphed, fused kernel, compiled."""
+    res: dict = {}
+    for fused in (False, True):
+        t = time.time()
+        model, info = load_bigvgan(name, None, dev, dtype, fused_kernel=fused)
+        say(f"vocoder loaded (fused requested {fused}, ran {info.fused_kernel}) in {time.time() - t:.1f} s")
+        for b in (1, 32):
+            mel = torch.randn(b, 100, 38, device=dev, dtype=dtype)
+            graphed = Graphed(model, dev)
+            eager = roofline.median(roofline.timed_ms(lambda m=model, x=mel: m(x), dev, 10))
+            g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), dev, 10))
+            diff = float((graphed(mel).float() - model(mel).float()).abs().max())
+            res[f"vocoder_fused{int(info.fused_kernel)}_b{b}"] = {
+                "eager_ms": eager,
+                "graph_ms": g,
+                "graph_vs_eager_max_diff": diff,
+            }
+            say(f"vocoder b{b} fused={info.fused_kernel}: eager {eager:.2f} ms, graph {g:.2f} ms, diff {diff:.2e}")
+        if not fused:  # the same model under torch.compile (dynamic shapes: chunk lengths, batch sizes)
+            compiled = torch.compile(model, dynamic=True)
+            for b, frames in ((1, 38), (1, 37), (32, 38)):
+                mel = torch.randn(b, 100, frames, device=dev, dtype=dtype)
+                t = time.time()
+                with torch.no_grad():
+                    compiled(mel)
+                roofline.sync(dev)
+                first_s = time.time() - t
+                graphed = Graphed(compiled, dev)
+                g = roofline.median(roofline.timed_ms(lambda m=graphed, x=mel: m(x), dev, 10))
+                with torch.no_grad():
+                    diff = float((graphed(mel).float() - model(mel).float()).abs().max())
+                res[f"vocoder_compiled_b{b}_f{frames}"] = {"first_call_s": first_s, "graph_ms": g, "vs_eager_max_diff": diff}
+                say(f"vocoder compiled b{b} f{frames}: first call {first_s:.1f} s, graph {g:.2f} ms, diff {diff:.2e}")
+        if not info.fused_kernel and fused:
+            break
+    return res
