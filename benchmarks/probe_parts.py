@@ -33,7 +33,7 @@ def loop(engine, ids: Ids, dev: torch.device, trace: Path | None = None) -> dict
     mel = MelStandIn(ids.eosp + 1, 100, 24000 / 256, dev)
     spt, k, n = round(SECONDS_PER_TOKEN * 24000), LOOP["chunk_tokens"], LOOP["num_tokens"]
     prompt = traffic.speech_prompt(1, LOOP["prompt_len"], ids, 0)
-    clock = device_clock(dev, stream_only=True)
+    clock = device_clock(dev)
 
     def constant(m: torch.Tensor) -> torch.Tensor:
         return torch.full((m.shape[0], 1, m.shape[-1] * 256), 1e-3, device=dev, dtype=m.dtype)

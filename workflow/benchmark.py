@@ -63,13 +63,12 @@ def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int) -> dict:
 
 
 def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Ids, batch: int) -> dict:
-    """Warm-up, then R runs of `batch` streams decoded as one batch. With the detokenizer
-    overlapped (CUDA), the clock waits for the decoding stream only."""
+    """Warm-up, then R runs of `batch` streams decoded as one batch."""
     prompt = traffic.speech_prompt(batch, p["prompt_len"], ids, p["seed"])
     sampling = Sampling(greedy=p["sampling"] == "greedy")
     overlap = overlaps(p["vocoder"].get("overlap", True), engine.device)
     first_alone = overlap and p["vocoder"].get("first_chunk_alone", True)
-    clock = device_clock(engine.device, stream_only=overlap)
+    clock = device_clock(engine.device)
     runs = []
     for i in range(p["warmup"] + p["runs"]):
         g = torch.Generator(engine.device).manual_seed(p["seed"] + i)

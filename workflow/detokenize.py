@@ -113,11 +113,8 @@ class Inline:
 
 
 class Overlapped:
-    """Mel and vocoder on a side CUDA stream, timed by events: decoding does not wait.
-
-    The clock given must synchronise only the current (decoding) stream, or every decode
-    timestamp would wait for the vocoder after all (`stream.device_clock`).
-    """
+    """Mel and vocoder on a side CUDA stream, timed by events: decoding does not wait. The
+    clock is read once, at the request (`start`); every later time is an event."""
 
     def __init__(
         self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock,
@@ -144,7 +141,11 @@ class Overlapped:
         """An event recorded on the decoding stream now: no waiting; read after finish()."""
         event = torch.cuda.Event(enable_timing=True)
         event.record(self.main)
-        return lambda: host_time(self.t_anchor, self.anchor.elapsed_time(event))
+        return lambda: self._host(event)
+
+    def _host(self, event: torch.cuda.Event) -> float:
+        """An event's host time (`host_time`); the event must be complete."""
+        return host_time(self.t_anchor, self.anchor.elapsed_time(event))
 
     def submit(self, codes: torch.Tensor, done: int, t_start: Stamp) -> None:
         """Enqueue codes [B, K] on the side stream and return at once."""
@@ -168,12 +169,7 @@ class Overlapped:
         pcm = self.pcm.join()  # on the decoding stream, after every chunk
         self.main.synchronize()  # the side stream's work is done too: it came before
         self.inputs.clear()
-        at = self.t_anchor
-
-        def t(event: torch.cuda.Event) -> float:
-            return host_time(at, self.anchor.elapsed_time(event))
-
-        chunks = [Chunk(k, t_start(), t(m), t(r)) for k, t_start, m, r in self.events]
+        chunks = [Chunk(k, t_start(), self._host(m), self._host(r)) for k, t_start, m, r in self.events]
         return chunks, pcm
 
 

@@ -30,16 +30,12 @@ __all__ = ["Chunk", "Timeline", "audio_seconds", "check_stream", "device_clock",
 GREEDY = Sampling(greedy=True)
 
 
-def device_clock(device: torch.device, stream_only: bool = False) -> Clock:
-    """perf_counter after a synchronisation: of the whole device, or with stream_only of the
-    current (decoding) stream alone, so that with the detokenizer overlapped on a side stream
-    a decode timestamp does not wait for the vocoder."""
+def device_clock(device: torch.device) -> Clock:
+    """perf_counter after a synchronisation of the whole device. Overlapped, the detokenizer
+    reads it once, at the request; every later time is an event (`detokenize.Stamp`)."""
 
     def clock() -> float:
-        if stream_only and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        else:
-            roofline.sync(device)
+        roofline.sync(device)
         return time.perf_counter()
 
     return clock
@@ -124,9 +120,8 @@ def run_stream(
 
     With overlap on CUDA the detokenizer runs on a side stream and the stream's timestamps
     are CUDA events (`detokenize.Stamp`): the host never waits to read a time, and a chunk is
-    enqueued right behind the sampling of its last code. `clock` must then synchronise the
-    current stream only (`device_clock(device, stream_only=True)`); first_alone: decoding
-    waits once, for the first chunk's PCM (`detokenize.Overlapped`)."""
+    enqueued right behind the sampling of its last code; first_alone: decoding waits once,
+    for the first chunk's PCM (`detokenize.Overlapped`)."""
     detok = detokenizer(mel, vocoder, samples_per_token, prompt.shape[0], engine.device, clock, overlap, first_alone)
     timeline = Timeline(t_request=detok.start())
     tokens_at: list[Stamp] = []
