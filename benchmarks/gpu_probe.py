@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.probe_parts import loop, loop_line, vocoder_times
+from benchmarks.probe_parts import kernel_summary, loop, loop_line, vocoder_times
 from workflow import calibrate, roofline, traffic, verify
 from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
@@ -157,15 +157,8 @@ def profile(engine, ids) -> dict:
             fn()
             torch.cuda.synchronize()
         engine.use_graphs = True
-        events = [e for e in p.key_averages() if e.device_time_total > 0]
-        total = sum(e.device_time_total for e in events)
-        top = sorted(events, key=lambda e: -e.device_time_total)[:12]
-        out[name] = {
-            "gpu_ms": total / 1e3,
-            "kernels": sum(e.count for e in events),
-            "top": [(e.key[:90], round(e.device_time_total / 1e3, 3), e.count) for e in top],
-            "all": sorted((e.key[:120], round(e.device_time_total / 1e3, 4), e.count) for e in events),
-        }
+        summary = kernel_summary(p)
+        out[name] = {"gpu_ms": summary.pop("kernel_ms"), **summary}
         say(f"profile {name}: {out[name]['gpu_ms']:.2f} ms GPU time in {out[name]['kernels']} kernels")
         for key, ms, n in out[name]["top"]:
             say(f"    {ms:8.3f} ms  x{n:<4d} {key}")
