@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.probe_parts import kernel_summary, loop, loop_line, vocoder_times
+from benchmarks.probe_parts import attention_ab, kernel_summary, late_fill_ab, loop, loop_line, vocoder_times
 from workflow import calibrate, roofline, traffic, verify
 from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
@@ -96,7 +96,7 @@ def replay_split(engine, ids, repeat: int = 20) -> dict:
     engine.prefill(traffic.speech_prompt(1, 512, ids, seed=0))
     tok = torch.tensor([[ids.pad, 100]])
     call = roofline.median(roofline.timed_ms(lambda: engine.decode(tok, need_text=False), DEV, repeat))
-    graph = next(g for k, (g, _, _) in engine.graphs.graphs.items() if k[0][:2] == (1, 1) and not k[1])
+    graph = next(g for k, (g, _, _) in engine.graphs.graphs.items() if k[0][:2] == (1, 1) and not k[1] and k[-2] == k[-1])
 
     def burst() -> None:
         for _ in range(20):
@@ -252,6 +252,10 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
+    for word, ab in (("late", late_fill_ab), ("attnab", attention_ab)):
+        if word in name.split()[-1].split("+"):
+            v[f"{word}_ab"] = ab(eng, ids, DEV)
+            say(f"{word} A/B: {json.dumps(v[f'{word}_ab'])}")
     if "loop" in name.split()[-1].split("+"):
         v["loop"] = loop(eng, ids, DEV, OUT_DIR / f"loop-trace-{name.split()[0]}.json.gz")
     say(f"{name}: {json.dumps(v)}")
@@ -275,8 +279,10 @@ def main() -> None:
         default="bf16 eager,bf16 graphs,bf16 compile+graphs,bf16 compile+graphs+gemv,fp8 graphs,fp8 compile+graphs,"
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
-        "nodefer (no deferred GEMV body offered to the tuner), fastacc (FP8 fast accumulation), ab (FP8: prefill "
-        "timed with fast accumulation off and on in turn), loop (the benchmark's stream, its vocoder left out: "
+        "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late; with an "
+        "A/B), attnab (an A/B of decode attention's split-S settings), fastacc (FP8 fast accumulation), ab (FP8: "
+        "prefill timed with fast accumulation off and on in turn), "
+        "loop (the benchmark's stream, its vocoder left out: "
         "TTFA less the vocoder, decode steps with their host work)",
     )
     ap.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True)
@@ -329,6 +335,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
+            late_text_fill="late" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

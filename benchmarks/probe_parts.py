@@ -129,3 +129,74 @@ def vocoder_times(dev: torch.device, dtype: torch.dtype, name: str, say: Callabl
         if not info.fused_kernel and fused:
             break
     return res
+
+
+def late_fill_ab(engine, ids: Ids, dev: torch.device, rounds: int = 4) -> dict:
+    """The text branch filled late (beside the next trunk) against in step, and the late fill
+    with the critical path captured at default priority instead of high: audio-mode decode
+    steps at batch 1 after a 512-token prompt, settings timed in turn (drift hits all alike),
+    each replayed from its own graphs. Then both ways agree: the max |logit diff| over steps
+    that switch mode (text logits after audio steps need the late-filled cache)."""
+    from workflow.cudagraphs import Graphs
+
+    if dev.type != "cuda":
+        return {}
+    prompt, tok = traffic.speech_prompt(1, 512, ids, seed=0), torch.tensor([[ids.pad, 100]])
+    settings = {"in_step": (False, -1), "late": (True, -1), "late_default_priority": (True, 0)}
+    graphs = {name: Graphs(dev, priority=p) for name, (_, p) in settings.items()}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    for _ in range(rounds):
+        for name, (late, _) in settings.items():
+            engine.late_text_fill, engine.graphs = late, graphs[name]
+            engine.prefill(prompt)
+            times[name] += roofline.timed_ms(lambda: engine.decode(tok, need_text=False), dev, 20)
+    out: dict = {f"{name}_ms": roofline.median(ts) for name, ts in times.items()}
+    follow = traffic.batch(1, 10, ids, seed=22)
+    logits = {}
+    for name in ("in_step", "late"):
+        engine.late_text_fill, engine.graphs = settings[name][0], graphs[name]
+        engine.prefill(prompt)
+        logits[name] = [
+            engine.decode(follow[:, t], need_text=nt)
+            for t, nt in enumerate((False, False, True, False, True, True, False, False, False, True))
+        ]
+    out["max_logit_diff"] = max(
+        float((a - b).abs().max())
+        for x, y in zip(logits["in_step"], logits["late"], strict=True)
+        for a, b in zip(x, y, strict=True)
+        if a is not None
+    )
+    engine.late_text_fill, engine.graphs = True, graphs["late"]
+    return out
+
+
+def attention_ab(engine, ids: Ids, dev: torch.device, rounds: int = 4) -> dict:
+    """Decode attention's split-S settings, timed in turn as late_fill_ab does: partials combined
+    by a second kernel, or in the attention kernel by the last slice to arrive; and that with one
+    BLOCK_S block a slice (splits the next power of 2 over kv_len / BLOCK_S, up to one program
+    a SM) instead of choose_splits'. Audio-mode decode at batch 1 after a 512-token prompt."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import attention
+
+    if dev.type != "cuda":
+        return {}
+    prompt, tok = traffic.speech_prompt(1, 512, ids, seed=0), torch.tensor([[ids.pad, 100]])
+    chosen, sms = attention.choose_splits, torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def one_block(batch: int, kv_heads: int, kv_len: int, device: torch.device) -> int:
+        blocks = -(-kv_len // attention.BLOCK_S)
+        return 1 if kv_len < 512 else min(sms // (batch * kv_heads), 1 << (blocks - 1).bit_length())
+
+    settings = {"second_kernel": (False, chosen), "in_kernel": (True, chosen), "in_kernel_one_block": (True, one_block)}
+    graphs = {name: Graphs(dev) for name in settings}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    saved = attention.COMBINE_IN_KERNEL
+    try:
+        for _ in range(rounds):
+            for name, (in_kernel, rule) in settings.items():
+                attention.COMBINE_IN_KERNEL, attention.choose_splits, engine.graphs = in_kernel, rule, graphs[name]
+                engine.prefill(prompt)
+                times[name] += roofline.timed_ms(lambda: engine.decode(tok, need_text=False), dev, 20)
+    finally:
+        attention.COMBINE_IN_KERNEL, attention.choose_splits, engine.graphs = saved, chosen, Graphs(dev)
+    return {f"{name}_ms": roofline.median(ts) for name, ts in times.items()}

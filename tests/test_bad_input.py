@@ -293,6 +293,11 @@ CASES: dict[str, Callable[..., Bad]] = {
         "config: engine.fp8_fast_accum",
         "an option of the torch backend, not trtllm",
     ),
+    "late_text_fill_off_the_torch_backend": build(
+        ["--backend", "trtllm", "--device", "cuda", "--late-text-fill"],
+        "config: engine.late_text_fill",
+        "an option of the torch backend, not trtllm",
+    ),
     "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),
     "unknown_precision": build(["--precision", "int4"], "config: engine", "unknown precision 'int4' (known: bf16, fp8)"),
     "precision_does_not_fit_checkpoint": build(

@@ -125,6 +125,30 @@ def test_skipping_the_text_head_changes_nothing_else(engine):
     assert with_head.audio_mode.any()
 
 
+def test_late_text_fill_matches_reference_across_mode_switches(engine, ref):
+    """With the text branch of audio-mode steps left to the next step, every head the loop
+    reads still matches the reference: text logits after runs of audio steps need the text
+    cache of every position, filled late."""
+    engine.late_text_fill = True
+    ids = Ids.of(engine.spec)
+    prompts = traffic.batch(2, 30, ids, seed=21)
+    follow = traffic.batch(2, 10, ids, seed=22)
+    engine.prefill(prompts)
+    _, _, caches = ref(prompts)
+    for t, need_text in enumerate((False, False, True, False, True, True, False, False, False, True)):
+        et, ea = engine.decode(follow[:, t], need_text=need_text)
+        rt, ra, caches = ref(follow[:, t : t + 1], caches)
+        assert (ea - ra[:, -1]).abs().max() < TOL, t
+        assert (et is not None) == need_text
+        if need_text:
+            assert (et - rt[:, -1]).abs().max() < TOL, t
+    prompt = traffic.speech_prompt(2, 32, ids, seed=17)  # ends in start-of-speech: audio mode first
+    got = generate(engine, prompt, 40, ids)
+    want = generate(ReferenceEngine(ref, "cpu"), prompt, 40, ids)
+    assert torch.equal(got.tokens, want.tokens)
+    assert got.audio_mode.any() and not got.audio_mode.all()
+
+
 def test_batch_rows_are_independent(engine):
     ids = Ids.of(engine.spec)
     prompts = traffic.batch(3, 25, ids, seed=18)

@@ -3,6 +3,10 @@
 The caller owns static input buffers: it copies each call's inputs into them, then asks for
 the graph of that key; the first request warms up on a side stream (where torch.compile and
 cuBLAS may allocate and choose kernels) and captures, later ones replay.
+
+Capture runs on a high-priority stream: PyTorch instantiates graphs with per-node priorities,
+so a step's own kernels keep that priority, and work it forks onto a default-priority stream
+(the engine's late text-branch fill) only gets SMs its critical path leaves free.
 """
 
 from __future__ import annotations
@@ -16,22 +20,28 @@ T = TypeVar("T")
 
 
 class Graphs:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, priority: int = -1):
         self.device = device
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
         self.pool = None  # one memory pool for all of them: they never run at the same time
+        self.capture = torch.cuda.Stream(device, priority=priority)  # lower is higher; 0 the default
 
-    def run(self, key: Hashable, fn: Callable[[], T]) -> T:
-        """fn() replayed from the graph captured for `key` (captured now if new)."""
+    def run(self, key: Hashable, fn: Callable[[], T], state: tuple[torch.Tensor, ...] = ()) -> T:
+        """fn() replayed from the graph captured for `key` (captured now if new). state: tensors
+        fn reads and then overwrites; the warm-up run's writes to them are undone before the
+        replay, so that it reads what the caller left there."""
         if key not in self.graphs:
+            saved = [t.clone() for t in state]
             current = torch.cuda.current_stream(self.device)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 fn()
             current.wait_stream(side)
+            for t, s in zip(state, saved, strict=True):
+                t.copy_(s)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture):
                 out = fn()
             self.pool = graph.pool()
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads

@@ -12,10 +12,18 @@ every layer. With `gemv` and `decode_attention`, decode goes through our Triton 
 (workflow.engines.gemv, .attention): the matmuls with their norms and residual adds, and the
 whole attention, each one kernel; linears.py holds the linear layers and `project`, which picks
 the path.
+
+With `late_text_fill`, an audio-mode step leaves the text branch's work at its position (only
+filling that branch's KV cache: its logits are not read) to the next step, which runs it on a
+default-priority side stream beside its own trunk, captured in the same graph. The weights read
+are the same; the text branch's kernels fill the SMs that the critical path's small kernels
+leave idle as they start and drain. A text-mode step joins that work before its text branch, so
+every step computes exactly what it did: only the order changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,6 +55,7 @@ class EngineOptions:
     gemv_blocks: dict | None = None  # its block shapes per weight shape, tuned at build (gemv.tune)
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
+    late_text_fill: bool = False  # audio mode: the text branch fills its cache a step late, beside the next trunk
 
 
 def layer_step(
@@ -57,6 +66,7 @@ def layer_step(
     mask: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    counts: torch.Tensor,
     norms: tuple[torch.Tensor, ...],
     qkv: LinearArgs,
     dense: LinearArgs,
@@ -70,8 +80,9 @@ def layer_step(
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
     otherwise attend to the first mask.shape[-1] cached positions where mask is True.
-    norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV;
-    fused_attention: decode's attention (norms, rope, cache write included) in one kernel."""
+    counts: the fused attention's split tickets (int32, zero); norms: input, post-attention, q,
+    k; fused: decode's linears through the fused GEMV; fused_attention: decode's attention
+    (norms, rope, cache write included) in one kernel."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps)
@@ -79,7 +90,7 @@ def layer_step(
         fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
             qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
-            quant=dense.a_scale if fp8_in else None,
+            quant=dense.a_scale if fp8_in else None, counts=counts,
         )  # fmt: skip
     else:
         q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
@@ -117,17 +128,19 @@ class Layer(nn.Module):
         )
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
 
     def setup_cache(self, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch, self.spec.num_key_value_heads, seq, self.spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.counts = torch.zeros(batch * self.spec.num_key_value_heads, dtype=torch.int32, device=device)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         return self.step(
-            x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
+            x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.counts, self.norms,
             self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args(),
             self.spec.rms_norm_eps, self.spec.head_dim, *self.fused,
         )  # fmt: skip
@@ -186,6 +199,10 @@ class TorchEngine(Engine, nn.Module):
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
         self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
+        self.late_text_fill = options.late_text_fill
+        self.text_owed = False  # the text branch owes the last position (its trunk output is in `owed`)
+        self.owed = torch.zeros(options.max_batch, 1, spec.hidden_size, dtype=dt, device=dev)
+        self.fill_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
@@ -205,25 +222,63 @@ class TorchEngine(Engine, nn.Module):
         return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
     def forward_tokens(
-        self, tokens: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        need_text: bool,
+        all_logits: bool,
+        kv_len: int | None,
+        owed: bool = False,
+        defer: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens [B, T, 2] (text id, audio id) at positions pos [T] -> both heads' logits.
-        kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions."""
+        kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions.
+        owed: first run the text branch at pos - 1 from `owed` (beside the trunk, on CUDA);
+        defer: leave this position's text branch owed (its trunk output goes to `owed`)."""
         cos, sin = self.cos[pos], self.sin[pos]
         mask = None if kv_len is None else torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None]
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
+        b = x.shape[0]
+        if owed:
+            self._fork()
+            with self._on_fill_stream():
+                prev = pos - 1
+                fill_mask = torch.arange(kv_len, device=tokens.device)[None, :] <= prev[:, None]
+                self._text_branch(self.owed[:b], self.cos[prev], self.sin[prev], prev, fill_mask)
         for layer in self.trunk:
             x = layer(x, cos, sin, pos, mask)
-        text, audio = x, x
-        for layer in self.text_block:
-            text = layer(text, cos, sin, pos, mask)
+        if owed and not defer:
+            self._join()  # the text branch reads its cache at pos - 1
+        text = x if defer else self._text_branch(x, cos, sin, pos, mask)
+        audio = x
         for layer in self.audio_block:
             audio = layer(audio, cos, sin, pos, mask)
         if not all_logits:
             text, audio = text[:, -1], audio[:, -1]
         eps, fused = self.spec.rms_norm_eps, self.options.gemv
         text_logits = project(text, self.lm_head.args(), fused, self.ln_f, eps).float() if need_text else None
-        return text_logits, project(audio, self.audio_lm_head.args(), fused, self.audio_ln_f, eps).float()
+        audio_logits = project(audio, self.audio_lm_head.args(), fused, self.audio_ln_f, eps).float()
+        if owed and defer:
+            self._join()  # the fill has read `owed`
+        if defer:
+            self.owed[:b].copy_(x)
+        return text_logits, audio_logits
+
+    def _text_branch(self, x, cos, sin, pos, mask) -> torch.Tensor:
+        for layer in self.text_block:
+            x = layer(x, cos, sin, pos, mask)
+        return x
+
+    def _fork(self) -> None:
+        if self.fill_stream is not None:
+            self.fill_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _on_fill_stream(self):
+        return torch.cuda.stream(self.fill_stream) if self.fill_stream is not None else contextlib.nullcontext()
+
+    def _join(self) -> None:
+        if self.fill_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.fill_stream)
 
     @torch.no_grad()
     def prefill(
@@ -232,7 +287,7 @@ class TorchEngine(Engine, nn.Module):
         b, t, _ = tokens.shape
         if b > self.max_batch or t > self.max_seq_len:
             raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
-        self.batch, self.length = b, t
+        self.batch, self.length, self.text_owed = b, t, False
         self.pos.fill_(t)
         return self._step(tokens, self.positions[:t], need_text, all_logits, None)
 
@@ -244,17 +299,20 @@ class TorchEngine(Engine, nn.Module):
         if self.length >= self.max_seq_len:
             raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
         kv_len = min(self.max_seq_len, -(-(self.length + 1) // KV_BUCKET) * KV_BUCKET)
-        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len)
+        defer = self.late_text_fill and not need_text
+        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, self.text_owed, defer)
+        self.text_owed = defer
         self.pos += 1
         self.length += 1
         return out
 
-    def _step(self, tokens: torch.Tensor, pos: torch.Tensor, need_text: bool, all_logits: bool, kv_len: int | None):
-        """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket). Host
+    def _step(self, tokens, pos, need_text: bool, all_logits: bool, kv_len: int | None, owed=False, defer=False):
+        """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket, late fill). Host
         tokens reach the graph's input through a pinned buffer, copied asynchronously, and the
         embedding rows are chosen inside the graph: a step costs the host one copy and one launch."""
+        args = (need_text, all_logits, kv_len, owed, defer)
         if not self.use_graphs:
-            return self.forward_tokens(tokens.to(self.device), pos, need_text, all_logits, kv_len)
+            return self.forward_tokens(tokens.to(self.device), pos, *args)
         shape = tuple(tokens.shape)
         if shape not in self.static_tokens:
             pinned = torch.empty(shape, dtype=torch.long, pin_memory=True)
@@ -267,8 +325,8 @@ class TorchEngine(Engine, nn.Module):
             copied.record()
         else:
             static.copy_(tokens)
-        key = (shape, need_text, all_logits, kv_len)
-        text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, need_text, all_logits, kv_len))
+        key = (shape, *args)
+        text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, *args), state=(self.owed,))
         return (None if text is None else text.clone()), audio.clone()
 
 
