@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.probe_parts import attention_ab, kernel_summary, late_fill_ab, loop, loop_line, vocoder_times
+from benchmarks.probe_parts import kernel_summary, late_fill_ab, loop, loop_line, vocoder_times
 from workflow import calibrate, roofline, traffic, verify
 from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
@@ -252,10 +252,9 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    for word, ab in (("late", late_fill_ab), ("attnab", attention_ab)):
-        if word in name.split()[-1].split("+"):
-            v[f"{word}_ab"] = ab(eng, ids, DEV)
-            say(f"{word} A/B: {json.dumps(v[f'{word}_ab'])}")
+    if "late" in name.split()[-1].split("+"):
+        v["late_ab"] = late_fill_ab(eng, ids, DEV)
+        say(f"late A/B: {json.dumps(v['late_ab'])}")
     if "loop" in name.split()[-1].split("+"):
         v["loop"] = loop(eng, ids, DEV, OUT_DIR / f"loop-trace-{name.split()[0]}.json.gz")
     say(f"{name}: {json.dumps(v)}")
@@ -280,7 +279,7 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late; with an "
-        "A/B), attnab (an A/B of decode attention's split-S settings), fastacc (FP8 fast accumulation), ab (FP8: "
+        "A/B), fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
         "loop (the benchmark's stream, its vocoder left out: "
         "TTFA less the vocoder, decode steps with their host work)",

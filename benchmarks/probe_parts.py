@@ -168,35 +168,3 @@ def late_fill_ab(engine, ids: Ids, dev: torch.device, rounds: int = 4) -> dict:
     )
     engine.late_text_fill, engine.graphs = True, graphs["late"]
     return out
-
-
-def attention_ab(engine, ids: Ids, dev: torch.device, rounds: int = 4) -> dict:
-    """Decode attention's split-S settings, timed in turn as late_fill_ab does: partials combined
-    by a second kernel, or in the attention kernel by the last slice to arrive; and that with one
-    BLOCK_S block a slice (splits the next power of 2 over kv_len / BLOCK_S, up to one program
-    a SM) instead of choose_splits'. Audio-mode decode at batch 1 after a 512-token prompt."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import attention
-
-    if dev.type != "cuda":
-        return {}
-    prompt, tok = traffic.speech_prompt(1, 512, ids, seed=0), torch.tensor([[ids.pad, 100]])
-    chosen, sms = attention.choose_splits, torch.cuda.get_device_properties(dev).multi_processor_count
-
-    def one_block(batch: int, kv_heads: int, kv_len: int, device: torch.device) -> int:
-        blocks = -(-kv_len // attention.BLOCK_S)
-        return 1 if kv_len < 512 else min(sms // (batch * kv_heads), 1 << (blocks - 1).bit_length())
-
-    settings = {"second_kernel": (False, chosen), "in_kernel": (True, chosen), "in_kernel_one_block": (True, one_block)}
-    graphs = {name: Graphs(dev) for name in settings}
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    saved = attention.COMBINE_IN_KERNEL
-    try:
-        for _ in range(rounds):
-            for name, (in_kernel, rule) in settings.items():
-                attention.COMBINE_IN_KERNEL, attention.choose_splits, engine.graphs = in_kernel, rule, graphs[name]
-                engine.prefill(prompt)
-                times[name] += roofline.timed_ms(lambda: engine.decode(tok, need_text=False), dev, 20)
-    finally:
-        attention.COMBINE_IN_KERNEL, attention.choose_splits, engine.graphs = saved, chosen, Graphs(dev)
-    return {f"{name}_ms": roofline.median(ts) for name, ts in times.items()}

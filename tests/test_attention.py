@@ -73,23 +73,6 @@ def test_equals_layer_step_and_writes_only_row_pos(b, g, d, kv_len, pos, splits,
         assert torch.equal(new, old), name  # every other row, and sequence b, untouched
 
 
-@pytest.mark.parametrize("in_kernel", [True, False])
-def test_split_tickets_combine_in_the_last_slice_and_are_left_zero(monkeypatch, in_kernel):
-    """Split-S partials combined by the last slice to arrive (or by a second kernel): one
-    counts buffer serves call after call, so each call must leave it zero."""
-    monkeypatch.setattr(attention, "COMBINE_IN_KERNEL", in_kernel)
-    b, g, d, kv_len = 2, 4, 32, 256
-    counts = torch.zeros(b * HKV + 1, dtype=torch.int32)  # one spare: never touched
-    for pos, splits in ((130, 4), (31, 2), (255, 4)):
-        args = make(b, g, d, kv_len, pos, seed=pos)
-        want = reference(**{k: v.clone() for k, v in args.items()}, kv_len=kv_len)
-        got = attention.launch(**args, kv_len=kv_len, eps=EPS, splits=splits, block_s=32, counts=counts)
-        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (pos, (got - want).abs().max())
-        assert not counts.any()
-    with pytest.raises(ValueError, match="counts"):
-        attention.launch(**make(b, g, d, kv_len, 9), kv_len=kv_len, eps=EPS, splits=2, counts=counts[:3])
-
-
 @pytest.mark.parametrize("splits", [1, 2])
 def test_rows_past_pos_do_not_count(splits):
     """Rows past pos (row pos itself included, before the write) may hold anything: NaN, huge."""
@@ -154,21 +137,3 @@ def test_rejects_shapes_it_cannot_take():
     args["qkv"] = args["qkv"].expand(1, 2, -1)
     with pytest.raises(ValueError, match="t=1"):
         attention.launch(**args, kv_len=128, eps=EPS)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tickets' memory ordering needs concurrent programs")
-def test_split_tickets_on_the_gpu_combine_what_every_slice_wrote():
-    """On the GPU, slices really race: call after call on one counts buffer, the last slice to
-    take a ticket must see every other slice's partials (float32: the reference on the CPU)."""
-    b, g, d, kv_len = 2, 4, 128, 1024
-    counts = torch.zeros(b * HKV, dtype=torch.int32, device="cuda")
-    gen = torch.Generator().manual_seed(5)
-    for i in range(100):
-        pos = int(torch.randint(0, kv_len, (1,), generator=gen))
-        args = make(b, g, d, kv_len, pos, seed=i)
-        want = reference(**{k: v.clone() for k, v in args.items()}, kv_len=kv_len)
-        got = attention.launch(
-            **{k: v.cuda() for k, v in args.items()}, kv_len=kv_len, eps=EPS, splits=16, block_s=64, counts=counts
-        )
-        assert torch.allclose(got.cpu(), want, atol=1e-4, rtol=1e-4), (i, pos, (got.cpu() - want).abs().max())
-    assert not counts.any()

@@ -13,10 +13,8 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
   (float32) softmax; the new token's own score and value come from registers, never from the
   cache row just written, so no program reads what another one writes;
 - split-S (flash-decoding, `splits` > 1): SPLITS programs per (sequence, kv head), each over a
-  slice of the positions, write partial max / sum / accumulator to a float32 scratch and take a
-  ticket (an atomic count per sequence and kv head); the last of them to arrive combines the
-  group's partials and resets the count, so no second kernel runs (COMBINE_IN_KERNEL; without
-  it a small second kernel combines). At batch 1 there are only Hkv programs otherwise;
+  slice of the positions, write partial max / sum / accumulator to a float32 scratch, and a
+  small second kernel combines them. At batch 1 there are only Hkv programs otherwise;
 - epilogue: y rounded to the input dtype, as SDPA's output is; with `quant` (dense's FP8
   activation scale) then quantized as `fp8.quantize` does, so no quantize kernel runs between
   attention and dense's GEMV.
@@ -43,7 +41,6 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
-COMBINE_IN_KERNEL = True  # split-S: the last slice to arrive combines (else a second kernel)
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -78,10 +75,10 @@ if triton is not None:
     @triton.jit
     def _decode_attn(
         qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
-        count_ptr, qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, D: tl.constexpr,
-        KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr, QUANT: tl.constexpr, COMBINE: tl.constexpr,
+        qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+        KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
@@ -134,37 +131,6 @@ if triton is not None:
             tl.store(m_ptr + part, m_i, mask=g_ok)
             tl.store(l_ptr + part, l_i, mask=g_ok)
             tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
-            if COMBINE:
-                tl.debug_barrier()  # every thread's partials stored before the ticket releases them
-                ticket = tl.atomic_add(count_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu")
-                if ticket == SPLITS - 1:  # the last slice of this (sequence, kv head) to arrive
-                    tl.store(count_ptr + b * HKV + kvh, 0)  # ready for the next call
-                    _combine_group(
-                        y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, b * H + kvh * G, G, GC, D, SPLITS, SP,
-                        qkv_ptr.dtype.element_ty, QUANT,
-                    )  # fmt: skip
-
-    @triton.jit
-    def _combine_group(
-        y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, bh0, G: tl.constexpr, GC: tl.constexpr, D: tl.constexpr,
-        SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-    ):  # fmt: skip
-        """y of heads bh0 .. bh0 + G - 1 from their SPLITS partial softmaxes, read from L2 (.cg:
-        other programs wrote them; this SM's L1 may hold an earlier call's lines)."""
-        g, sp, d = tl.arange(0, GC), tl.arange(0, SP), tl.arange(0, D)
-        g_ok = g < G
-        ok = g_ok[:, None] & (sp < SPLITS)[None, :]
-        idx = (bh0 + g)[:, None] * SPLITS + sp[None, :]
-        m = tl.load(m_ptr + idx, mask=ok, other=-1.0e30, cache_modifier=".cg")
-        w = tl.where(ok, tl.exp2(m - tl.max(m, axis=1)[:, None]), 0.0)
-        l_sum = tl.sum(w * tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg"), axis=1)
-        acc = tl.zeros((GC, D), tl.float32)
-        for s in tl.static_range(SPLITS):
-            w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)
-            rows = ((bh0 + g) * SPLITS + s)[:, None] * D + d[None, :]
-            acc += w_s[:, None] * tl.load(acc_ptr + rows, mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
-        y = _output(acc / tl.where(g_ok, l_sum, 1.0)[:, None], quant_ptr, ACT, QUANT)
-        tl.store(y_ptr + (bh0 + g)[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
     def _combine(
@@ -219,14 +185,12 @@ def launch(
     block_s: int = BLOCK_S,
     num_warps: int = NUM_WARPS,
     quant: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [B, 1, H*D] for qkv [B, 1, (H + 2 Hkv) D]; writes the new k, v into the caches
     [Bmax, Hkv, S, D] at pos (int64 [1], shared by the batch). Attends to positions < kv_len
     that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
     combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
-    float8_e4m3fn input. counts: int32 [>= B * Hkv], zero: the split-S tickets, left zero (an
-    engine gives each layer its own, so kernels on two streams never share one); None: fresh."""
+    float8_e4m3fn input."""
     b, t, width = qkv.shape
     _, hkv, seq, d = k_cache.shape
     h = width // d - 2 * hkv
@@ -242,20 +206,14 @@ def launch(
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
     g = h // hkv
-    if counts is not None and (counts.dtype != torch.int32 or counts.numel() < b * hkv):
-        raise ValueError(f"decode_attention: counts {counts.dtype} [{counts.numel()}], need int32 [>= {b * hkv}]")
-    combine = splits > 1 and COMBINE_IN_KERNEL
-    if combine and counts is None:
-        counts = torch.zeros(b * hkv, dtype=torch.int32, device=qkv.device)
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
-        counts if combine else pos, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        math.log2(math.e) / math.sqrt(d), H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)),
-        GC=triton.next_power_of_2(g), D=d, KV_LEN=kv_len, SPLITS=splits, SP=triton.next_power_of_2(splits),
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
+        H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        QUANT=quant is not None, COMBINE=combine, num_warps=num_warps,
+        QUANT=quant is not None, num_warps=num_warps,
     )  # fmt: skip
-    if splits > 1 and not combine:
+    if splits > 1:
         _combine[(b, h)](
             y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
             ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
@@ -264,12 +222,10 @@ def launch(
 
 
 if triton is not None:  # an opaque op to torch.compile and CUDA graphs: two cache writes and a fresh output
-    decode_attention = torch.library.custom_op(
-        "mossbuild::decode_attention", launch, mutates_args=("k_cache", "v_cache", "counts")
-    )
+    decode_attention = torch.library.custom_op("mossbuild::decode_attention", launch, mutates_args=("k_cache", "v_cache"))
 
     @decode_attention.register_fake
     def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S,
-          num_warps=NUM_WARPS, quant=None, counts=None):  # fmt: skip
+          num_warps=NUM_WARPS, quant=None):  # fmt: skip
         h = qkv.shape[-1] // k_cache.shape[-1] - 2 * k_cache.shape[1]
         return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1], dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
