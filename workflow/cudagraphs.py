@@ -24,7 +24,7 @@ class Graphs:
         self.device = device
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
         self.pool = None  # one memory pool for all of them: they never run at the same time
-        self.capture = torch.cuda.Stream(device, priority=priority)  # lower is higher; 0 the default
+        self.priority = priority  # of the capture stream: lower is higher; 0 the default
 
     def run(self, key: Hashable, fn: Callable[[], T], state: tuple[torch.Tensor, ...] = ()) -> T:
         """fn() replayed from the graph captured for `key` (captured now if new). state: tensors
@@ -41,7 +41,8 @@ class Graphs:
             for t, s in zip(state, saved, strict=True):
                 t.copy_(s)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture):
+            capture = torch.cuda.Stream(self.device, priority=self.priority)
+            with torch.cuda.graph(graph, pool=self.pool, stream=capture):
                 out = fn()
             self.pool = graph.pool()
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
