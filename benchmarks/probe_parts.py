@@ -131,40 +131,74 @@ def vocoder_times(dev: torch.device, dtype: torch.dtype, name: str, say: Callabl
     return res
 
 
-def late_fill_ab(engine, ids: Ids, dev: torch.device, rounds: int = 4) -> dict:
-    """The text branch filled late (beside the next trunk) against in step, and the late fill
-    with the critical path captured at default priority instead of high: audio-mode decode
-    steps at batch 1 after a 512-token prompt, settings timed in turn (drift hits all alike),
-    each replayed from its own graphs. Then both ways agree: the max |logit diff| over steps
-    that switch mode (text logits after audio steps need the late-filled cache)."""
-    from workflow.cudagraphs import Graphs
-
+def interleaved_ab(engine, ids: Ids, dev: torch.device, settings: dict[str, Callable[[], None]], rounds: int = 4) -> dict:
+    """Audio-mode decode steps at batch 1 after a 512-token prompt under each setting (a
+    function that puts it in force, its own graphs included), the settings timed in turn (drift
+    within the process hits all alike); medians in ms. Then the first setting against each
+    other: the max |logit diff| over 10 steps that switch mode. Leaves the first in force."""
     if dev.type != "cuda":
         return {}
     prompt, tok = traffic.speech_prompt(1, 512, ids, seed=0), torch.tensor([[ids.pad, 100]])
-    settings = {"in_step": (False, -1), "late": (True, -1), "late_default_priority": (True, 0)}
-    graphs = {name: Graphs(dev, priority=p) for name, (_, p) in settings.items()}
     times: dict[str, list[float]] = {name: [] for name in settings}
     for _ in range(rounds):
-        for name, (late, _) in settings.items():
-            engine.late_text_fill, engine.graphs = late, graphs[name]
+        for name, apply in settings.items():
+            apply()
             engine.prefill(prompt)
             times[name] += roofline.timed_ms(lambda: engine.decode(tok, need_text=False), dev, 20)
     out: dict = {f"{name}_ms": roofline.median(ts) for name, ts in times.items()}
     follow = traffic.batch(1, 10, ids, seed=22)
     logits = {}
-    for name in ("in_step", "late"):
-        engine.late_text_fill, engine.graphs = settings[name][0], graphs[name]
+    for name, apply in reversed(settings.items()):
+        apply()
         engine.prefill(prompt)
-        logits[name] = [
-            engine.decode(follow[:, t], need_text=nt)
-            for t, nt in enumerate((False, False, True, False, True, True, False, False, False, True))
-        ]
-    out["max_logit_diff"] = max(
-        float((a - b).abs().max())
-        for x, y in zip(logits["in_step"], logits["late"], strict=True)
-        for a, b in zip(x, y, strict=True)
-        if a is not None
-    )
-    engine.late_text_fill, engine.graphs = True, graphs["late"]
+        modes = (False, False, True, False, True, True, False, False, False, True)
+        logits[name] = [engine.decode(follow[:, t], need_text=nt) for t, nt in enumerate(modes)]
+    first = next(iter(settings))
+    for name in list(settings)[1:]:
+        out[f"{name}_max_logit_diff"] = max(
+            float((a - b).abs().max())
+            for x, y in zip(logits[first], logits[name], strict=True)
+            for a, b in zip(x, y, strict=True)
+            if a is not None
+        )
     return out
+
+
+def late_fill_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """The text branch filled late (beside the next trunk) against in step, and the late fill
+    with the critical path captured at default priority instead of high (probe 16)."""
+    from workflow.cudagraphs import Graphs
+
+    def setting(late: bool, priority: int) -> Callable[[], None]:
+        graphs = Graphs(dev, priority=priority)
+
+        def apply() -> None:
+            engine.late_text_fill = late
+            engine.graphs = graphs
+
+        return apply
+
+    return interleaved_ab(
+        engine, ids, dev, {"late": setting(True, -1), "in_step": setting(False, -1), "late_default_priority": setting(True, 0)}
+    )
+
+
+def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """gate_up's GEMV ending in silu(gate) * up (bf16 layers: the branches in an FP8 engine)
+    against proj's GEMV starting with it, each program re-reading [gate | up] (probe 17)."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import gemv
+
+    def setting(glu: bool) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            for layer in engine.layers:
+                layer.fused = (*layer.fused[:2], glu)
+            engine.graphs = graphs
+
+        return apply
+
+    setting(False)()
+    gemv.tune(engine.gemv_uses())  # the prologue's blocks, beside the epilogue's (tuned at build)
+    return interleaved_ab(engine, ids, dev, {"glu": setting(True), "silu_prologue": setting(False)})

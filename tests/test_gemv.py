@@ -94,6 +94,19 @@ def test_fp8_parts_take_their_own_scale():
     assert torch.allclose(got.double(), (xq.double() * a.item()) @ deq.t(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [(4, 64, 4), (4, 64, 4, 1)])
+def test_glu_epilogue_is_silu_gate_times_up(block):
+    """glu (bf16 gate_up, proj's input): w = [gate; up], the output silu(x @ gate^T) * (x @ up^T),
+    half as many columns; one row (either body) and several."""
+    k, n = 160, 12
+    x, w = torch.randn(2, k), torch.randn(2 * n, k) / 16
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    got = gemv.launch(x[:1], w, torch.float32, glu=True, block=block)
+    assert got.shape == (1, n)
+    assert torch.allclose(got, (F.silu(gate) * up)[:1], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(gemv.launch(x, w, torch.float32, glu=True, block=block[:3]), F.silu(gate) * up, atol=1e-6)
+
+
 def test_blocks_stored_before_the_deferred_body_still_load():
     """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps): the per-tile body."""
     gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4)

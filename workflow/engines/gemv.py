@@ -17,7 +17,10 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   per tile), or, for one row, keep the tile's float32 products as partial sums and reduce
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
-  the same two roundings as `x + F.linear(...)`.
+  the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
+  program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
+  (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
+  the two, it brought nothing: benchmarks/results/2026-11-22-h100-probe17).
 
 The block sizes come from `config_for`: chosen by `tune` on the target GPU at build, per weight
 shape and prologue/epilogue, and stored in engine.json. Without a GPU the kernel runs under
@@ -62,10 +65,11 @@ def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int]]:
     return [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
 
 
-def flags(norm: bool, silu_mul: bool, residual: bool) -> str:
+def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
     """The prologue and epilogue a call runs with: they change the best block shape (a norm
     or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
-    return "+".join(name for name, on in (("norm", norm), ("silu", silu_mul), ("res", residual)) if on)
+    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu))
+    return "+".join(name for name, on in named if on)
 
 
 def key(n: int, k: int, weight_bytes: int, fl: str) -> str:
@@ -90,13 +94,14 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
         if name in found:
             continue
         copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
-        x = torch.randn(1, 2 * k if "silu" in fl else k, device=w.device).to(w.dtype)
-        act = torch.bfloat16 if nbytes == 1 else w.dtype
+        act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
         args = {
             "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
-            "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in fl else None,
-            "residual": torch.zeros(1, n, device=w.device, dtype=act) if "res" in fl else None,
-            "silu_mul": "silu" in fl,
+            "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
+            "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
+            "silu_mul": "silu" in on,
+            "glu": "glu" in on,
         }
         times = {}
         for block in candidates(k, nbytes):
@@ -122,14 +127,33 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
 if triton is not None:
 
     @triton.jit
+    def _accumulate(acc, x, w, DEFER: tl.constexpr):
+        """One K tile into the float32 accumulator: per tile reduced ([M, N]) or, DEFER, the one
+        row's products kept per column of the tile ([N, K]) and reduced after the loop."""
+        if DEFER:
+            acc += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
+        else:
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _finish(acc, scale_ptr, rows, rows_per_part, n_ok, DEFER: tl.constexpr, HAS_SCALE: tl.constexpr):
+        """The accumulator as [M, N], times each weight row's part scale (FP8)."""
+        if DEFER:
+            acc = tl.sum(acc, axis=1)[None, :]
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rows // rows_per_part, mask=n_ok, other=0.0)[None, :]
+        return acc
+
+    @triton.jit
     def _gemv(
         x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
         M, N, rows_per_part, eps,
         K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        DEFER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns; GLU: rows rn and N + rn of w
         m_ok, n_ok = rm < M, rn < N
         if NORM:  # every program recomputes the rows' 1/rms: x is tiny
             ss = tl.zeros((BLOCK_M,), tl.float32)
@@ -138,10 +162,11 @@ if triton is not None:
                 xf = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
                 ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
-        if DEFER:  # noqa: SIM108 (one row: the tile's products kept as partial sums, reduced once after the loop)
+        if DEFER:  # noqa: SIM108
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc2 = acc  # GLU's second half (up)
         stride = 2 * K if SILU_MUL else K  # SILU_MUL: each row of x is [gate | up]
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -156,22 +181,24 @@ if triton is not None:
                 g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
                 xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
                 x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
+            xf = x.to(tl.float32)
             w_ok = n_ok[:, None] & k_ok[None, :]  # weights are read once: keep them out of L2's way
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-            if DEFER:
-                acc += tl.sum(x.to(tl.float32), axis=0)[None, :] * w.to(tl.float32)  # the one row, [1, BLOCK_K]
-            else:
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if DEFER:
-            acc = tl.sum(acc, axis=1)[None, :]
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rn // rows_per_part, mask=n_ok, other=0.0)[None, :]
+            acc = _accumulate(acc, xf, w, DEFER)
+            if GLU:
+                w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                acc2 = _accumulate(acc2, xf, w2, DEFER)
         out_ptrs = rm[:, None] * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
-        y = acc.to(y_ptr.dtype.element_ty)
+        dt = y_ptr.dtype.element_ty
+        y = _finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
+        if GLU:  # silu(gate) * up, rounded as gate_up's output, silu's and the product are
+            u = _finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
+            gf = y.to(tl.float32)
+            y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
         if HAS_RES:
             r = tl.load(res_ptr + out_ptrs, mask=ok, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(y_ptr + out_ptrs, y, mask=ok)
 
 
@@ -185,31 +212,33 @@ def launch(
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
     block: list[int] | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
-    up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); block: (BLOCK_N,
-    BLOCK_K, num_warps[, defer]), else `config_for` the shape; defer applies to one row only."""
+    up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
+    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
+    num_warps[, defer]), else `config_for` the use; defer: one row only."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
-    shape, k, n = x.shape, w.shape[1], w.shape[0]
+    shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
     if x.shape[-1] != (2 * k if silu_mul else k):
         raise ValueError(f"gemv: x has {x.shape[-1]} columns for a weight of {k}{' (x2: silu_mul)' if silu_mul else ''}")
     x = x.reshape(-1, x.shape[-1]).contiguous()  # dense rows (a head's x[:, -1] is not)
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    fl = flags(norm is not None, silu_mul, residual is not None)
-    block_n, block_k, warps, defer = (*(block or config_for(n, k, w.element_size(), fl)), 0)[:4]
+    fl = flags(norm is not None, silu_mul, residual is not None, glu)
+    block_n, block_k, warps, defer = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0)[:4]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
     _gemv[(triton.cdiv(n, block_n),)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
-        m, n, n // parts, eps,
+        m, n, w.shape[0] // parts, eps,
         K=k, NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        DEFER=bool(defer) and m == 1, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        GLU=glu, DEFER=bool(defer) and m == 1, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
@@ -218,5 +247,6 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
     gemv = torch.library.custom_op("mossbuild::gemv", launch, mutates_args=())
 
     @gemv.register_fake
-    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None):
-        return x.new_empty(*x.shape[:-1], w.shape[0], dtype=out_dtype)
+    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
+          glu=False):  # fmt: skip
+        return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)

@@ -75,12 +75,16 @@ def layer_step(
     head_dim: int,
     fused: bool = False,
     fused_attention: bool = False,
+    glu: bool = False,
 ) -> torch.Tensor:
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
     otherwise attend to the first mask.shape[-1] cached positions where mask is True.
     norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV;
-    fused_attention: decode's attention (norms, rope, cache write included) in one kernel."""
+    fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
+    glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
+    programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
+    there the epilogue cost more than the kernel it saves, probe 17)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps)
@@ -108,7 +112,9 @@ def layer_step(
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
     h = project(y, dense, fused, residual=x)
-    return project(project(h, gate_up, fused, norms[1], eps), proj, fused, residual=h, silu_mul=True)
+    glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
+    act = project(h, gate_up, fused, norms[1], eps, glu=glu)
+    return project(act, proj, fused, residual=h, silu_mul=not glu)
 
 
 class Layer(nn.Module):
@@ -118,7 +124,7 @@ class Layer(nn.Module):
         self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step, fused=(False, False)
     ):
         super().__init__()
-        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention)
+        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue)
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
         self.norms = tuple(
@@ -166,7 +172,7 @@ class TorchEngine(Engine, nn.Module):
                 layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
-                (options.gemv, options.decode_attention),
+                (options.gemv, options.decode_attention, options.gemv),
             )
             for n in range(spec.num_layers)
         )
@@ -202,19 +208,20 @@ class TorchEngine(Engine, nn.Module):
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
-        (see `project`: FP8 inputs arrive normed and quantized, so no prologue)."""
+        (see `layer_step` and `project`: FP8 inputs arrive normed and quantized)."""
         uses = []
         for layer in self.layers:
+            glu = layer.fused[2]
             for lin, norm, silu, res in (
                 (layer.qkv, True, False, False),
                 (layer.dense, False, False, True),
                 (layer.gate_up, True, False, False),
-                (layer.proj, False, True, True),
+                (layer.proj, False, not glu, True),
             ):
                 a = lin.args()
                 bf16 = a.a_scale is None
                 w = a.weight if bf16 else a.fp8_weight
-                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res)))
+                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res, glu and bf16 and lin is layer.gate_up)))
         return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
     def forward_tokens(
