@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.probe_parts import glu_ab, kernel_summary, late_fill_ab, loop, loop_line, vocoder_times
+from benchmarks.probe_parts import glu_ab, kernel_summary, late_fill_ab, loop, loop_line, resident_ab, vocoder_times
 from workflow import calibrate, roofline, traffic, verify
 from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
@@ -254,7 +254,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    for word, ab in (("lateab", late_fill_ab), ("gluab", glu_ab)):
+    for word, ab in (("lateab", late_fill_ab), ("gluab", glu_ab), ("resab", resident_ab)):
         if word in name.split()[-1].split("+"):
             v[word] = ab(eng, ids, DEV)
             say(f"{word}: {json.dumps(v[word])}")
@@ -282,7 +282,7 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
-        "lateab / gluab (decode A/Bs: late fill, gate_up's GLU epilogue), fastacc (FP8 fast accumulation), ab (FP8: "
+        "lateab / gluab / resab (decode A/Bs: late fill, GLU, resident GEMV), fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
         "loop (the benchmark's stream, its vocoder left out: "
         "TTFA less the vocoder, decode steps with their host work)",

@@ -202,3 +202,33 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
     setting(False)()
     gemv.tune(engine.gemv_uses())  # the prologue's blocks, beside the epilogue's (tuned at build)
     return interleaved_ab(engine, ids, dev, {"glu": setting(True), "silu_prologue": setting(False)})
+
+
+def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """The GEMV's blocks tuned with the resident body offered (as built) against tuned without
+    it, each setting's blocks captured in its own graphs; and each use's tuned time both ways."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import gemv
+
+    with_resident, saved = dict(gemv.BLOCKS), gemv.RESIDENT_N
+    timed_with = {k: gemv.TUNED_MS.get(k) for k in engine.gemv_blocks}
+    gemv.RESIDENT_N = ()
+    gemv.tune(engine.gemv_uses())
+    gemv.RESIDENT_N = saved
+    without = dict(gemv.BLOCKS)
+    timed_without = {k: gemv.TUNED_MS.get(k) for k in engine.gemv_blocks}
+
+    def setting(blocks: dict) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            gemv.BLOCKS.clear()
+            gemv.BLOCKS.update(blocks)
+            engine.graphs = graphs
+
+        return apply
+
+    out = interleaved_ab(engine, ids, dev, {"resident": setting(with_resident), "tiled": setting(without)})
+    out["tuned_us"] = {k: [round(1000 * (timed_with[k] or 0), 1), round(1000 * (timed_without[k] or 0), 1)] for k in timed_with}
+    out["blocks"] = {k: [with_resident.get(k), without.get(k)] for k in engine.gemv_blocks}
+    return out

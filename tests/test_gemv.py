@@ -61,9 +61,12 @@ def test_deferred_body_equals_torch(block_k):
 def test_tuning_offers_fp8_both_bodies_within_the_register_budget():
     found = gemv.candidates(4096, 1)
     assert {c[3] for c in found} == {0, 1}
-    assert all(bn * bk <= gemv.DEFER_REGS * 32 * w for bn, bk, w, defer in found if defer)
+    assert all(bn * bk <= gemv.DEFER_REGS * 32 * w for bn, bk, w, defer, _ in found if defer)
     assert {c[3] for c in gemv.candidates(4096, 2)} == {0}  # bf16: per tile only (probe 11)
-    assert all(bk <= 128 for _, bk, _, _ in gemv.candidates(100, 2))  # no tile wider than K's power of two
+    assert all(bk <= 128 for _, bk, _, _, _ in gemv.candidates(100, 2))  # no tile wider than K's power of two
+    resident = [c for c in found if c[4]]  # x's whole row in registers: K up to RESIDENT_MAX_K
+    assert resident and all(bk == 4096 and not defer for _, bk, _, defer, _ in resident)
+    assert not any(c[4] for c in gemv.candidates(12288, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
@@ -107,10 +110,34 @@ def test_glu_epilogue_is_silu_gate_times_up(block):
     assert torch.allclose(gemv.launch(x, w, torch.float32, glu=True, block=block[:3]), F.silu(gate) * up, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("block_n", [1, 4])
+def test_resident_body_equals_torch(rows, block_n):
+    """The resident body: x's whole row (BLOCK_K >= K, ragged) read and prologued once, then each
+    program strides over column blocks (here 1 program a "multiprocessor": the interpreter's 2),
+    with every prologue and epilogue; BLOCK_K short of K is refused."""
+    k, n = 200, 37
+    x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
+    block = (block_n, 256, 4, 0, 1)
+    got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block)
+    assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(rows, 2 * k)
+    got = gemv.launch(gu, w, torch.float32, silu_mul=True, block=block)
+    assert torch.allclose(got, F.linear(F.silu(gu[:, :k]) * gu[:, k:], w), atol=1e-5, rtol=1e-5)
+    gate, up = F.linear(x, torch.cat([w, w.flip(0)])).chunk(2, dim=-1)
+    got = gemv.launch(x, torch.cat([w, w.flip(0)]), torch.float32, glu=True, block=block)
+    assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="whole row"):
+        gemv.launch(x, w, torch.float32, block=(block_n, 128, 4, 0, 1))
+
+
 def test_blocks_stored_before_the_deferred_body_still_load():
-    """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps): the per-tile body."""
+    """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps[, defer]): one program a
+    column block."""
     gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4)
-    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 0)
+    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 0, 0)
+    gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4, 1)
+    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 1, 0)
 
 
 def test_too_many_rows_is_refused():

@@ -29,6 +29,8 @@ Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it again
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -44,25 +46,31 @@ def available() -> bool:
     return triton is not None
 
 
-BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer), from `tune`
+BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer, per_sm), from `tune`
 BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
 BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
 DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512)  # the deferred body holds BLOCK_N x BLOCK_K floats
 DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
+RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
-def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int]]:
+def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
     tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
     registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
-    (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms)."""
+    (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms). And, for K up to
+    RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
+    and running its prologue once, then striding over column blocks."""
     fits = triton.next_power_of_2(k)
-    tiled = [(bn, bk, w, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
-    deferred = [(bn, bk, w, 1) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
+    tiled = [(bn, bk, w, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
+    deferred = [(bn, bk, w, 1, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
     deferred = deferred if weight_bytes == 1 else []
-    return [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
+    resident = [(bn, fits, w, 0, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
+    resident = resident if k <= RESIDENT_MAX_K else []
+    ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
+    return ok + resident
 
 
 def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
@@ -72,18 +80,25 @@ def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
     return "+".join(name for name, on in named if on)
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's SM count (the resident body's grid); under the interpreter, a few."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def key(n: int, k: int, weight_bytes: int, fl: str) -> str:
     return f"{n}x{k}:{weight_bytes}:{fl}"
 
 
-def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, defer) for an N x K weight: the tuned one, else a default.
-    Engines built before the deferred body stored three numbers: theirs is the per-tile one."""
+def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, defer, per_sm) for an N x K weight: the tuned one, else a
+    default. Engines built before the deferred and resident bodies stored three or four numbers:
+    theirs is the per-tile body (or the deferred one), one program a column block."""
     found = BLOCKS.get(key(n, k, weight_bytes, fl), (8, min(512, triton.next_power_of_2(k)), 4))
-    return (*found, 0)[:4]
+    return (*found, 0, 0)[:5]
 
 
-def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int, int]]:
+def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int, int, int]]:
     """Time every candidate block shape for each (weight, flags) use, one row of x, on the
     weight's device, and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run once
     at build on the target GPU, stored with the engine, reloaded by `BLOCKS.update`."""
@@ -127,6 +142,32 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
 if triton is not None:
 
     @triton.jit
+    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+        """x's tile [M, BLOCK_K] through the prologue, as float32."""
+        stride = 2 * K if SILU_MUL else K  # SILU_MUL: each row of x is [gate | up]
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride + rk[None, :], mask=x_ok, other=0.0)
+        if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
+            up = tl.load(x_ptr + rm[:, None] * stride + K + rk[None, :], mask=x_ok, other=0.0)
+            gf = x.to(tl.float32)
+            x = ((gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        if NORM:  # (x * rstd) rounded to x's dtype, then times the weight, rounded again
+            g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+            x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _rstd(x_ptr, rm, m_ok, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The rows' 1 / rms (RMSNorm's), in float32."""
+        ss = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xf = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+            ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
+        return 1.0 / tl.sqrt(ss / K + eps)
+
+    @triton.jit
     def _accumulate(acc, x, w, DEFER: tl.constexpr):
         """One K tile into the float32 accumulator: per tile reduced ([M, N]) or, DEFER, the one
         row's products kept per column of the tile ([N, K]) and reduced after the loop."""
@@ -146,53 +187,15 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gemv(
-        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
-        M, N, rows_per_part, eps,
-        K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns; GLU: rows rn and N + rn of w
-        m_ok, n_ok = rm < M, rn < N
-        if NORM:  # every program recomputes the rows' 1/rms: x is tiny
-            ss = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                xf = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-                ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-        if DEFER:  # noqa: SIM108
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc2 = acc  # GLU's second half (up)
-        stride = 2 * K if SILU_MUL else K  # SILU_MUL: each row of x is [gate | up]
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            x_ok = m_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + rm[:, None] * stride + rk[None, :], mask=x_ok, other=0.0)
-            if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
-                up = tl.load(x_ptr + rm[:, None] * stride + K + rk[None, :], mask=x_ok, other=0.0)
-                gf = x.to(tl.float32)
-                x = ((gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-            if NORM:  # (x * rstd) rounded to x's dtype, then times the weight, rounded again
-                g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
-                xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-                x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
-            xf = x.to(tl.float32)
-            w_ok = n_ok[:, None] & k_ok[None, :]  # weights are read once: keep them out of L2's way
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-            acc = _accumulate(acc, xf, w, DEFER)
-            if GLU:
-                w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-                acc2 = _accumulate(acc2, xf, w2, DEFER)
+    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part,
+               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr):  # fmt: skip
+        """The epilogue: rounded to y's dtype; GLU: silu(gate) * up, rounded as gate_up's output,
+        silu's and the product are; then the residual added and rounded again."""
         out_ptrs = rm[:, None] * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         dt = y_ptr.dtype.element_ty
         y = _finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
-        if GLU:  # silu(gate) * up, rounded as gate_up's output, silu's and the product are
+        if GLU:
             u = _finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
             gf = y.to(tl.float32)
             y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
@@ -200,6 +203,56 @@ if triton is not None:
             r = tl.load(res_ptr + out_ptrs, mask=ok, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(y_ptr + out_ptrs, y, mask=ok)
+
+    @triton.jit
+    def _gemv(
+        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
+        M, N, rows_per_part, eps, programs,
+        K: tl.constexpr, STRIDES: tl.constexpr,
+        NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
+            rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
+        else:
+            rstd = tl.zeros((BLOCK_M,), tl.float32)
+        if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
+            rk = tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
+            for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
+                rn = (tl.program_id(0) + i * programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # GLU: rows rn and N + rn
+                n_ok = rn < N
+                w_ok = n_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                acc = tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                acc2 = acc
+                if GLU:
+                    w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                    acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
+                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
+        else:
+            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns; GLU: rows rn and N + rn of w
+            n_ok = rn < N
+            if DEFER:  # noqa: SIM108
+                acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc2 = acc  # GLU's second half (up)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = rk < K
+                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
+                w_ok = n_ok[:, None] & k_ok[None, :]  # weights are read once: keep them out of L2's way
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                acc = _accumulate(acc, xf, w, DEFER)
+                if GLU:
+                    w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                    acc2 = _accumulate(acc2, xf, w2, DEFER)
+            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, DEFER)
 
 
 def launch(
@@ -218,7 +271,8 @@ def launch(
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
     up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
-    num_warps[, defer]), else `config_for` the use; defer: one row only."""
+    num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
+    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -229,16 +283,21 @@ def launch(
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
     fl = flags(norm is not None, silu_mul, residual is not None, glu)
-    block_n, block_k, warps, defer = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0)[:4]
+    block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
+    if per_sm and block_k < k:
+        raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
+    blocks = triton.cdiv(n, block_n)
+    programs = min(blocks, per_sm * multiprocessors(x.device)) if per_sm else blocks
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
-    _gemv[(triton.cdiv(n, block_n),)](
+    _gemv[(programs,)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
-        m, n, w.shape[0] // parts, eps,
-        K=k, NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps,
+        m, n, w.shape[0] // parts, eps, programs,
+        K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
+        NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
