@@ -12,10 +12,13 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
   x must already be FP8-rounded (the caller quantizes it with the calibrated scale, fused by
   torch.compile into the op before), and each part of W's rows (fc|gate: two) has its own
-  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Two bodies, a
+  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Three bodies, a
   tuning choice: reduce each [BLOCK_N, BLOCK_K] tile over K as it comes (a cross-thread sum
   per tile), or, for one row, keep the tile's float32 products as partial sums and reduce
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
+  or, `resident` (K up to RESIDENT_MAX_K), a few programs a multiprocessor that read x's whole
+  row and run the prologue once, then stride over column blocks (bf16 decode -0.06 ms on an
+  H100: benchmarks/results/2026-11-22-h100-probe18);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
   the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
   program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
