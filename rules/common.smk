@@ -2,6 +2,7 @@
 # Imports stay light (no torch): this file is read on every start, and by every SLURM job.
 
 import ast
+import functools
 import json
 import sys
 from pathlib import Path
@@ -106,15 +107,21 @@ def code(module):
             continue  # none, or seen already and this import adds nothing
         called[path] = calls
         todo += [(".".join(parts[:i]), False) for i in range(1, len(parts))]
-        for node in imports(ast.parse(path.read_text()), calls):
-            if isinstance(node, ast.Import):
-                todo += [
-                    (a.name, True) for a in node.names if a.name.startswith("workflow")
-                ]
-            elif (node.module or "").startswith("workflow"):
-                todo.append((node.module, True))
-                todo += [(f"{node.module}.{a.name}", True) for a in node.names]
+        todo += [(target, True) for target in workflow_imports(path, calls)]
     return sorted(str(p) for p in called)
+
+
+@functools.cache
+def workflow_imports(path, in_functions):
+    """The workflow modules (and names from them) a module file imports: parsed once per
+    file, not once per rule (every DAG build, a no-op run included, pays for it)."""
+    found = []
+    for node in imports(ast.parse(path.read_text()), in_functions):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("workflow")]
+        elif (node.module or "").startswith("workflow"):
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return found
 
 
 def imports(tree, in_functions):
