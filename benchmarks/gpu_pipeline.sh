@@ -6,6 +6,7 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8            # build, verify, benchmark
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16           # reuses download and convert
 #
+# .whl holds the wheels listed in benchmarks/gpu-wheels.txt (how they are made is said there).
 # The machine must stay warm between calls (results/ lives on it). Each call tars the small
 # artifacts (verify.json, benchmark.*, plots, engine.json, amax.json, rule TSVs, log tails) of
 # all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py then writes summary.json.
