@@ -23,7 +23,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.probe_parts import glu_ab, kernel_summary, late_fill_ab, loop, loop_line, resident_ab, vocoder_times
+from benchmarks.probe_parts import (
+    call_trace,
+    early_ab,
+    glu_ab,
+    kernel_summary,
+    late_fill_ab,
+    loop,
+    loop_line,
+    quant_ab,
+    resident_ab,
+    vocoder_times,
+)
 from workflow import calibrate, roofline, traffic, verify
 from workflow.engines import gemv
 from workflow.engines.torch_engine import EngineOptions, TorchEngine
@@ -254,9 +265,16 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    for word, ab in (("lateab", late_fill_ab), ("gluab", glu_ab), ("resab", resident_ab)):
+    parts = {
+        "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "quantab": quant_ab, "earlyab": early_ab,
+        "calltrace": lambda e, i, d: call_trace(e, i, d, OUT_DIR / f"call-trace-{name.split()[0]}.json.gz"),
+    }  # fmt: skip
+    for word, part in parts.items():
         if word in name.split()[-1].split("+"):
-            v[word] = ab(eng, ids, DEV)
+            try:  # one part failing must not cost the variant's other measurements
+                v[word] = part(eng, ids, DEV)
+            except Exception as e:
+                v[word] = {"failed": f"{type(e).__name__}: {str(e)[:2000]}"}
             say(f"{word}: {json.dumps(v[word])}")
     if "loop" in name.split()[-1].split("+"):
         v["loop"] = loop(eng, ids, DEV, OUT_DIR / f"loop-trace-{name.split()[0]}.json.gz")
@@ -282,7 +300,10 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
-        "lateab / gluab / resab (decode A/Bs: late fill, GLU, resident GEMV), fastacc (FP8 fast accumulation), ab (FP8: "
+        "gq (FP8: qkv's and gate_up's GEMVs quantize their own input), "
+        "lateab / gluab / resab / quantab / earlyab (decode A/Bs: late fill, GLU, resident GEMV, gq, the resident body's "
+        "early first load), calltrace (an engine call's host lead, GPU span and tail, traced), "
+        "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
         "loop (the benchmark's stream, its vocoder left out: "
         "TTFA less the vocoder, decode steps with their host work)",
@@ -337,7 +358,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            late_text_fill="late" in words,
+            late_text_fill="late" in words, fp8_gemv_quant="gq" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

@@ -194,7 +194,7 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
         def apply() -> None:
             for layer in engine.layers:
-                layer.fused = (*layer.fused[:2], glu)
+                layer.fused = (*layer.fused[:2], glu, *layer.fused[3:])
             engine.graphs = graphs
 
         return apply
@@ -231,4 +231,95 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     out = interleaved_ab(engine, ids, dev, {"resident": setting(with_resident), "tiled": setting(without)})
     out["tuned_us"] = {k: [round(1000 * (timed_with[k] or 0), 1), round(1000 * (timed_without[k] or 0), 1)] for k in timed_with}
     out["blocks"] = {k: [with_resident.get(k), without.get(k)] for k in engine.gemv_blocks}
+    return out
+
+
+def quant_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """FP8: qkv's and gate_up's GEMVs norming and quantizing their own input (resident body,
+    once a program; the engine as built) against the norm-and-quantize kernel before them, whose
+    blocks are tuned here (probe 19)."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import gemv
+
+    if dev.type != "cuda":  # tuning needs the GPU
+        return {}
+
+    def setting(quant_in: bool) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            for layer in engine.layers:
+                layer.fused = (*layer.fused[:3], quant_in)
+            engine.graphs = graphs
+
+        return apply
+
+    setting(False)()
+    untuned = [(w, fl) for w, fl in engine.gemv_uses() if gemv.key(*w.shape, w.element_size(), fl) not in gemv.BLOCKS]
+    gemv.tune(untuned)  # the uses the kernel before them brings back: qkv's and gate_up's, without quant
+    out = interleaved_ab(engine, ids, dev, {"in_gemv": setting(True), "kernel_before": setting(False)})
+    out["tuned_us"] = {k: round(1000 * v, 1) for k, v in gemv.TUNED_MS.items()}
+    return out
+
+
+def early_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """The resident GEMV body loading its first weight tile before the prologue (as built)
+    against after it, with the same blocks (probe 19)."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import gemv
+
+    def setting(early: bool) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            gemv.EARLY_LOAD = early
+            engine.graphs = graphs
+
+        return apply
+
+    return interleaved_ab(engine, ids, dev, {"early": setting(True), "after_prologue": setting(False)})
+
+
+def call_trace(engine, ids: Ids, dev: torch.device, trace: Path) -> dict:
+    """Where an engine call's time goes beyond its graph: 8 audio-mode decode calls (as the
+    benchmark times them, synchronised) and 8 bare replays of the same graph, profiled with host
+    and GPU; per call, medians in ms: lead (call start to its first GPU activity), span (first
+    to last GPU activity), tail (last GPU activity to the call's return, sync included). Writes
+    the gzipped Chrome trace (probe 19)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if dev.type != "cuda":
+        return {}
+    engine.prefill(traffic.speech_prompt(1, 512, ids, seed=0))
+    tok = torch.tensor([[ids.pad, 100]])
+    for _ in range(3):
+        engine.decode(tok, need_text=False)
+    key = next(k for k in engine.graphs.graphs if k[0][:2] == (1, 1) and not k[1] and k[4] and k[5])
+    graph = engine.graphs.graphs[key][0]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for name, fn in (("call", lambda: engine.decode(tok, need_text=False)), ("replay", graph.replay)):
+            for _ in range(8):
+                with record_function(name):
+                    fn()
+                    torch.cuda.synchronize()
+    events = p.events()
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    out: dict = {}
+    for name in ("call", "replay"):
+        parts = {"lead": [], "span": [], "tail": [], "wall": []}
+        for w in (e for e in events if e.name == name and e.device_type == DeviceType.CPU):
+            inside = [g for g in gpu if w.time_range.start <= g[0] <= w.time_range.end]
+            if not inside:
+                continue
+            first, last = inside[0][0], max(g[1] for g in inside)
+            for k, v in (("lead", first - w.time_range.start), ("span", last - first), ("tail", w.time_range.end - last),
+                         ("wall", w.time_range.end - w.time_range.start)):  # fmt: skip
+                parts[k].append(v / 1e3)
+        out[name] = {k: round(roofline.median(v), 4) for k, v in parts.items() if v}
+    raw = trace.with_suffix(".tmp")
+    p.export_chrome_trace(str(raw))
+    trace.write_bytes(gzip.compress(raw.read_bytes()))
+    raw.unlink()
     return out

@@ -57,15 +57,18 @@ DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
+EARLY_LOAD = True  # the resident body loads its first weight tile before the prologue (a switch for the probe's A/B)
 
 
-def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
+def candidates(k: int, weight_bytes: int, quant: bool = False) -> list[tuple[int, int, int, int, int]]:
     """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
     tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
     registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
     (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms). And, for K up to
     RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
-    and running its prologue once, then striding over column blocks."""
+    and running its prologue once, then striding over column blocks. quant (the kernel
+    quantizes its input): the resident body only, as a per-tile norm and quantization lost
+    three times (probes 8, 13, 17: every program redoes them over all of K)."""
     fits = triton.next_power_of_2(k)
     tiled = [(bn, bk, w, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
     deferred = [(bn, bk, w, 1, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
@@ -73,13 +76,13 @@ def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]
     resident = [(bn, fits, w, 0, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
     resident = resident if k <= RESIDENT_MAX_K else []
     ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
-    return ok + resident
+    return resident if quant else ok + resident
 
 
-def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
+def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False, quant: bool = False) -> str:
     """The prologue and epilogue a call runs with: they change the best block shape (a norm
     or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
-    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu))
+    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu), ("quant", quant))
     return "+".join(name for name, on in named if on)
 
 
@@ -113,7 +116,7 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             continue
         copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
         act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
-        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(act if "quant" in on else w.dtype)
         args = {
             "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
             "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
@@ -121,8 +124,10 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             "silu_mul": "silu" in on,
             "glu": "glu" in on,
         }
+        if "quant" in on:
+            args["quant"] = torch.full((1,), 0.01, device=w.device)
         times = {}
-        for block in candidates(k, nbytes):
+        for block in candidates(k, nbytes, "quant" in on):
             launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
             graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
             with torch.cuda.graph(graph):
@@ -143,22 +148,42 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
 
 
 if triton is not None:
+    from workflow.engines.attention import _fp8_round  # exact e4m3 rounding, shared with the attention kernel
 
     @triton.jit
-    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
-        """x's tile [M, BLOCK_K] through the prologue, as float32."""
-        stride = 2 * K if SILU_MUL else K  # SILU_MUL: each row of x is [gate | up]
+    def _load_x(x_ptr, rm, rk, m_ok, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr):
+        """x's tile [M, BLOCK_K] as stored; with SILU_MUL (each row of x is [gate | up]) gate's
+        and up's tiles."""
+        stride = 2 * K if SILU_MUL else K
         x_ok = m_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + rm[:, None] * stride + rk[None, :], mask=x_ok, other=0.0)
-        if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
+        up = x
+        if SILU_MUL:
             up = tl.load(x_ptr + rm[:, None] * stride + K + rk[None, :], mask=x_ok, other=0.0)
+        return x, up
+
+    @triton.jit
+    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, quant_ptr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+                  QUANT: tl.constexpr):  # fmt: skip
+        """x's tile through the prologue, as float32, rounded where the torch ops round."""
+        if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
             gf = x.to(tl.float32)
             x = ((gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
         if NORM:  # (x * rstd) rounded to x's dtype, then times the weight, rounded again
             g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
             x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
-        return x.to(tl.float32)
+        xf = x.to(tl.float32)
+        if QUANT:  # FP8 input: x / scale rounded to e4m3 (as fp8.quantize), exactly, kept as float32
+            xf = _fp8_round(tl.math.div_rn(xf, tl.load(quant_ptr)))
+        return xf
+
+    @triton.jit
+    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, quant_ptr, K: tl.constexpr, NORM: tl.constexpr,
+               SILU_MUL: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+        """x's tile [M, BLOCK_K] loaded and through the prologue, as float32."""
+        x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
+        return _prologue(x, up, rk, k_ok, norm_ptr, rstd, quant_ptr, NORM, SILU_MUL, QUANT)
 
     @triton.jit
     def _rstd(x_ptr, rm, m_ok, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -169,6 +194,17 @@ if triton is not None:
             xf = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
             ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
         return 1.0 / tl.sqrt(ss / K + eps)
+
+    @triton.jit
+    def _rows(w_ptr, rn, rk, k_ok, N, K: tl.constexpr, GLU: tl.constexpr):
+        """The weight tile of rows rn (GLU: and of rows N + rn, up's), masked past N; read once,
+        so kept out of L2's way."""
+        ok = (rn < N)[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+        w2 = w
+        if GLU:
+            w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+        return w, w2
 
     @triton.jit
     def _accumulate(acc, x, w, DEFER: tl.constexpr):
@@ -209,35 +245,43 @@ if triton is not None:
 
     @triton.jit
     def _gemv(
-        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
+        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, quant_ptr,
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
+        GLU: tl.constexpr, QUANT: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, EARLY: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
-        if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
-            rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
-        else:
-            rstd = tl.zeros((BLOCK_M,), tl.float32)
         if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
+            first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # GLU: rows rn and N + rn
+            if EARLY:  # the first weight tile's load goes out before the prologue, which its latency then hides
+                w, w2 = _rows(w_ptr, first, rk, k_ok, N, K, GLU)
+            x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)  # one read of x: the norm's sum and the prologue
+            rstd = tl.zeros((BLOCK_M,), tl.float32)
+            if NORM:
+                rstd = 1.0 / tl.sqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1) / K + eps)
+            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, quant_ptr, NORM, SILU_MUL, QUANT)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
-                rn = (tl.program_id(0) + i * programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # GLU: rows rn and N + rn
-                n_ok = rn < N
-                w_ok = n_ok[:, None] & k_ok[None, :]
-                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                rn = first + i * programs * BLOCK_N
+                if not EARLY:
+                    w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
                 acc2 = acc
                 if GLU:
-                    w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
                     acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
+                n_ok = rn < N
                 _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
+                if EARLY:  # the next column block's tile (none past the last: masked)
+                    w, w2 = _rows(w_ptr, rn + programs * BLOCK_N, rk, k_ok, N, K, GLU)
         else:
+            if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
+                rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
+            else:
+                rstd = tl.zeros((BLOCK_M,), tl.float32)
             rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns; GLU: rows rn and N + rn of w
             n_ok = rn < N
             if DEFER:  # noqa: SIM108
@@ -248,12 +292,10 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = rk < K
-                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
-                w_ok = n_ok[:, None] & k_ok[None, :]  # weights are read once: keep them out of L2's way
-                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, quant_ptr, K, NORM, SILU_MUL, QUANT)
+                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = _accumulate(acc, xf, w, DEFER)
                 if GLU:
-                    w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
                     acc2 = _accumulate(acc2, xf, w2, DEFER)
             _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, DEFER)
 
@@ -269,15 +311,20 @@ def launch(
     silu_mul: bool = False,
     block: list[int] | None = None,
     glu: bool = False,
+    quant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
-    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
-    num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
-    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
+    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; quant: FP8 weights and a
+    bf16 / float32 x, quantized after the prologue with this activation scale (float32 [1]) as
+    `fp8.quantize` does; block: (BLOCK_N, BLOCK_K, num_warps[, defer[, per_sm]]), else
+    `config_for` the use; defer: one row only; per_sm: the resident body with that many
+    programs a multiprocessor (BLOCK_K >= K)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
+    if quant is not None and (w.dtype != torch.float8_e4m3fn or x.dtype == torch.float8_e4m3fn):
+        raise ValueError("gemv: quant is for FP8 weights and an unquantized x")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
     if x.shape[-1] != (2 * k if silu_mul else k):
         raise ValueError(f"gemv: x has {x.shape[-1]} columns for a weight of {k}{' (x2: silu_mul)' if silu_mul else ''}")
@@ -285,7 +332,7 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    fl = flags(norm is not None, silu_mul, residual is not None, glu)
+    fl = flags(norm is not None, silu_mul, residual is not None, glu, quant is not None)
     block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
     if per_sm and block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
@@ -295,12 +342,12 @@ def launch(
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
     _gemv[(programs,)](
-        x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
+        x, w, y, res, scale if scale is not None else x, norm if norm is not None else x, quant if quant is not None else x,
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        GLU=glu, QUANT=quant is not None, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
+        EARLY=EARLY_LOAD, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
@@ -310,5 +357,5 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
 
     @gemv.register_fake
     def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
-          glu=False):  # fmt: skip
+          glu=False, quant=None):  # fmt: skip
         return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)
