@@ -31,7 +31,7 @@ from benchmarks.probe_parts import (
     late_fill_ab,
     loop,
     loop_line,
-    quant_ab,
+    pdl_ab,
     resident_ab,
     vocoder_times,
 )
@@ -266,7 +266,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
     parts = {
-        "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "quantab": quant_ab, "earlyab": early_ab,
+        "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "earlyab": early_ab, "pdlab": pdl_ab,
         "calltrace": lambda e, i, d: call_trace(e, i, d, OUT_DIR / f"call-trace-{name.split()[0]}.json.gz"),
     }  # fmt: skip
     for word, part in parts.items():
@@ -300,9 +300,9 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
-        "gq (FP8: qkv's and gate_up's GEMVs quantize their own input), "
-        "lateab / gluab / resab / quantab / earlyab (decode A/Bs: late fill, GLU, resident GEMV, gq, the resident body's "
-        "early first load), calltrace (an engine call's host lead, GPU span and tail, traced), "
+        "pdl (our kernels as programmatic dependent launches), "
+        "lateab / gluab / resab / earlyab / pdlab (decode A/Bs: late fill, GLU, resident GEMV, the resident body's "
+        "early first load, pdl), calltrace (an engine call's host lead, GPU span and tail, traced), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
         "loop (the benchmark's stream, its vocoder left out: "
@@ -358,7 +358,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            late_text_fill="late" in words, fp8_gemv_quant="gq" in words,
+            late_text_fill="late" in words, pdl="pdl" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

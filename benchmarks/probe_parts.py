@@ -234,34 +234,6 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return out
 
 
-def quant_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """FP8: qkv's and gate_up's GEMVs norming and quantizing their own input (resident body,
-    once a program; the engine as built) against the norm-and-quantize kernel before them, whose
-    blocks are tuned here (probe 19)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import gemv
-
-    if dev.type != "cuda":  # tuning needs the GPU
-        return {}
-
-    def setting(quant_in: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            for layer in engine.layers:
-                layer.fused = (*layer.fused[:3], quant_in)
-            engine.graphs = graphs
-
-        return apply
-
-    setting(False)()
-    untuned = [(w, fl) for w, fl in engine.gemv_uses() if gemv.key(*w.shape, w.element_size(), fl) not in gemv.BLOCKS]
-    gemv.tune(untuned)  # the uses the kernel before them brings back: qkv's and gate_up's, without quant
-    out = interleaved_ab(engine, ids, dev, {"in_gemv": setting(True), "kernel_before": setting(False)})
-    out["tuned_us"] = {k: round(1000 * v, 1) for k, v in gemv.TUNED_MS.items()}
-    return out
-
-
 def early_ab(engine, ids: Ids, dev: torch.device) -> dict:
     """The resident GEMV body loading its first weight tile before the prologue (as built)
     against after it, with the same blocks (probe 19)."""
@@ -323,3 +295,23 @@ def call_trace(engine, ids: Ids, dev: torch.device, trace: Path) -> dict:
     trace.write_bytes(gzip.compress(raw.read_bytes()))
     raw.unlink()
     return out
+
+
+def pdl_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """Our kernels (GEMV, decode attention and its combine) launched as programmatic dependents:
+    each program lets the next kernel launch at its start, and the next kernel's programs load
+    their first weight tile (resident GEMV body) before they wait for this one to finish;
+    against plain launches, the same blocks (probe 19)."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import attention, gemv
+
+    def setting(pdl: bool) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            gemv.PDL = attention.PDL = pdl
+            engine.graphs = graphs
+
+        return apply
+
+    return interleaved_ab(engine, ids, dev, {"pdl": setting(True), "plain": setting(False)}, rounds=6)

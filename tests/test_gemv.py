@@ -111,14 +111,17 @@ def test_glu_epilogue_is_silu_gate_times_up(block):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("block_n", [1, 4])
-def test_resident_body_equals_torch(rows, block_n):
+@pytest.mark.parametrize(("block_n", "per_sm"), [(1, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("early", [True, False])
+def test_resident_body_equals_torch(rows, block_n, per_sm, early, monkeypatch):
     """The resident body: x's whole row (BLOCK_K >= K, ragged) read and prologued once, then each
-    program strides over column blocks (here 1 program a "multiprocessor": the interpreter's 2),
-    with every prologue and epilogue; BLOCK_K short of K is refused."""
+    program strides over column blocks (per_sm programs a "multiprocessor": the interpreter has
+    2), with every prologue and epilogue, its first weight tile loaded before the prologue
+    (early, as built) or after; BLOCK_K short of K is refused."""
+    monkeypatch.setattr(gemv, "EARLY_LOAD", early)
     k, n = 200, 37
     x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
-    block = (block_n, 256, 4, 0, 1)
+    block = (block_n, 256, 4, 0, per_sm)
     got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block)
     assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
     gu = torch.randn(rows, 2 * k)
@@ -129,44 +132,6 @@ def test_resident_body_equals_torch(rows, block_n):
     assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="whole row"):
         gemv.launch(x, w, torch.float32, block=(block_n, 128, 4, 0, 1))
-
-
-@pytest.mark.parametrize("block", [(4, 256, 4, 0, 1), (2, 256, 4, 0, 2), (8, 64, 4), (8, 64, 4, 1)])
-@pytest.mark.parametrize("early", [True, False])
-def test_quant_prologue_equals_quantize_then_gemv(block, early, monkeypatch):
-    """quant: the kernel norms (or silu * up) and quantizes x with the calibrated scale itself:
-    bit for bit the input `fp8.quantize(prologue(x))` that the separate kernel gives (scale
-    small enough that some values saturate at +-448), in the resident body (first weight tile
-    loaded before the prologue or after it) and the per-tile ones; one row and three."""
-    monkeypatch.setattr(gemv, "EARLY_LOAD", early)
-    k, n = 200, 37
-    w8 = fp8.quantize(torch.randn(n, k), torch.tensor([0.005]))
-    a, ws = torch.tensor([0.004]), torch.tensor([0.005])
-    g, r = torch.rand(k) + 0.5, torch.randn(3, n)
-    for rows in (1, 3):
-        x = torch.randn(rows, k)
-        xq = fp8.quantize(rms_norm(x, g, 1e-6), a)
-        assert (xq.float().abs() == 448).any()
-        want = gemv.launch(xq, w8, torch.float32, scale=a * ws, residual=r[:rows], block=(8, 64, 4))
-        got = gemv.launch(x, w8, torch.float32, scale=a * ws, norm=g, eps=1e-6, residual=r[:rows], block=block, quant=a)
-        assert torch.allclose(got, want, rtol=1e-6, atol=1e-5)
-        assert torch.allclose(got.double(), r[:rows].double() + (xq.double() * a.item()) @ (w8.double() * ws.item()).t())
-        gu = torch.randn(rows, 2 * k)
-        xq = fp8.quantize(F.silu(gu[:, :k]) * gu[:, k:], a)
-        got = gemv.launch(gu, w8, torch.float32, scale=a * ws, silu_mul=True, block=block, quant=a)
-        assert torch.allclose(got.double(), (xq.double() * a.item()) @ (w8.double() * ws.item()).t(), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="quant is for FP8 weights"):
-        gemv.launch(x, w8.float(), torch.float32, quant=a)
-    with pytest.raises(ValueError, match="quant is for FP8 weights"):
-        gemv.launch(xq, w8, torch.float32, quant=a)
-
-
-def test_quantizing_uses_are_tuned_over_the_resident_body_only():
-    """A per-tile norm and quantization lost three times (probes 8, 13, 17): not offered."""
-    found = gemv.candidates(4096, 1, quant=True)
-    assert found and all(c[4] and c[1] >= 4096 for c in found)
-    assert not gemv.candidates(12288, 1, quant=True)  # past RESIDENT_MAX_K: no candidate, the caller keeps the kernel
-    assert gemv.flags(True, False, False, quant=True) == "norm+quant"
 
 
 def test_blocks_stored_before_the_deferred_body_still_load():
@@ -235,17 +200,13 @@ def test_fused_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf, fused
     assert {name for name, c in counted.items() if c.n} == set(fused)
 
 
-@pytest.mark.parametrize("quant_in", [False, True])
-def test_fp8_fused_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir, quant_in, monkeypatch):
+def test_fp8_fused_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir):
     """FP8 trunk: the kernel reads fp8 weights and FP8-rounded inputs; the emulation computes
-    the same function in float32 through dequantized weights (checked against modelopt).
-    quant_in: qkv's and gate_up's GEMVs norm and quantize their input themselves, and do."""
+    the same function in float32 through dequantized weights (checked against modelopt)."""
     from workflow import traffic
     from workflow.generate import Ids
 
-    calls, kernel = [], gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("quant") is not None) or kernel(*a, **kw))
-    plain, fused = engines(tiny_fp8_engine_dir, gemv=True, decode_attention=True, fp8_gemv_quant=quant_in)
+    plain, fused = engines(tiny_fp8_engine_dir, gemv=True, decode_attention=True)
     ids = Ids.of(plain.spec)
     prompt, follow = traffic.batch(1, 24, ids, seed=5), traffic.batch(1, 5, ids, seed=6)
     for e in (plain, fused):
@@ -253,5 +214,3 @@ def test_fp8_fused_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir, quant_i
     for t in range(follow.shape[1]):
         (pt, pa), (ft, fa) = plain.decode(follow[:, t]), fused.decode(follow[:, t])
         assert (pt - ft).abs().max() < 1e-4 and (pa - fa).abs().max() < 1e-4
-    trunk = len(fused.trunk)
-    assert sum(calls) == (2 * trunk * follow.shape[1] if quant_in else 0)  # qkv and gate_up of every trunk layer, each step

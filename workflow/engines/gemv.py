@@ -58,17 +58,16 @@ RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the res
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 EARLY_LOAD = True  # the resident body loads its first weight tile before the prologue (a switch for the probe's A/B)
+PDL = False  # CUDA, Hopper on: launch as a programmatic dependent (set by the engine from its options; see `launch`)
 
 
-def candidates(k: int, weight_bytes: int, quant: bool = False) -> list[tuple[int, int, int, int, int]]:
+def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
     tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
     registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
     (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms). And, for K up to
     RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
-    and running its prologue once, then striding over column blocks. quant (the kernel
-    quantizes its input): the resident body only, as a per-tile norm and quantization lost
-    three times (probes 8, 13, 17: every program redoes them over all of K)."""
+    and running its prologue once, then striding over column blocks."""
     fits = triton.next_power_of_2(k)
     tiled = [(bn, bk, w, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
     deferred = [(bn, bk, w, 1, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
@@ -76,13 +75,13 @@ def candidates(k: int, weight_bytes: int, quant: bool = False) -> list[tuple[int
     resident = [(bn, fits, w, 0, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
     resident = resident if k <= RESIDENT_MAX_K else []
     ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
-    return resident if quant else ok + resident
+    return ok + resident
 
 
-def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False, quant: bool = False) -> str:
+def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
     """The prologue and epilogue a call runs with: they change the best block shape (a norm
     or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
-    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu), ("quant", quant))
+    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu))
     return "+".join(name for name, on in named if on)
 
 
@@ -116,7 +115,7 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             continue
         copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
         act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
-        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(act if "quant" in on else w.dtype)
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
         args = {
             "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
             "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
@@ -124,10 +123,8 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             "silu_mul": "silu" in on,
             "glu": "glu" in on,
         }
-        if "quant" in on:
-            args["quant"] = torch.full((1,), 0.01, device=w.device)
         times = {}
-        for block in candidates(k, nbytes, "quant" in on):
+        for block in candidates(k, nbytes):
             launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
             graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
             with torch.cuda.graph(graph):
@@ -148,7 +145,6 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
 
 
 if triton is not None:
-    from workflow.engines.attention import _fp8_round  # exact e4m3 rounding, shared with the attention kernel
 
     @triton.jit
     def _load_x(x_ptr, rm, rk, m_ok, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr):
@@ -163,8 +159,7 @@ if triton is not None:
         return x, up
 
     @triton.jit
-    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, quant_ptr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-                  QUANT: tl.constexpr):  # fmt: skip
+    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
         """x's tile through the prologue, as float32, rounded where the torch ops round."""
         if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
             gf = x.to(tl.float32)
@@ -173,17 +168,13 @@ if triton is not None:
             g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
             x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
-        xf = x.to(tl.float32)
-        if QUANT:  # FP8 input: x / scale rounded to e4m3 (as fp8.quantize), exactly, kept as float32
-            xf = _fp8_round(tl.math.div_rn(xf, tl.load(quant_ptr)))
-        return xf
+        return x.to(tl.float32)
 
     @triton.jit
-    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, quant_ptr, K: tl.constexpr, NORM: tl.constexpr,
-               SILU_MUL: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
         """x's tile [M, BLOCK_K] loaded and through the prologue, as float32."""
         x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
-        return _prologue(x, up, rk, k_ok, norm_ptr, rstd, quant_ptr, NORM, SILU_MUL, QUANT)
+        return _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
 
     @triton.jit
     def _rstd(x_ptr, rm, m_ok, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -245,26 +236,30 @@ if triton is not None:
 
     @triton.jit
     def _gemv(
-        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, quant_ptr,
+        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, QUANT: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, EARLY: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
+        if PDL:  # the next kernel may launch now: its programs take the SMs this one's leave and load their weights
+            tl.extra.cuda.gdc_launch_dependents()
         if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
             first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # GLU: rows rn and N + rn
             if EARLY:  # the first weight tile's load goes out before the prologue, which its latency then hides
                 w, w2 = _rows(w_ptr, first, rk, k_ok, N, K, GLU)
+            if PDL:  # x, the residual and y's memory belong to the kernels before until they finish
+                tl.extra.cuda.gdc_wait()
             x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)  # one read of x: the norm's sum and the prologue
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
                 rstd = 1.0 / tl.sqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1) / K + eps)
-            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, quant_ptr, NORM, SILU_MUL, QUANT)
+            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
                 if not EARLY:
@@ -278,6 +273,8 @@ if triton is not None:
                 if EARLY:  # the next column block's tile (none past the last: masked)
                     w, w2 = _rows(w_ptr, rn + programs * BLOCK_N, rk, k_ok, N, K, GLU)
         else:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
                 rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
             else:
@@ -292,7 +289,7 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = rk < K
-                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, quant_ptr, K, NORM, SILU_MUL, QUANT)
+                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
                 w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = _accumulate(acc, xf, w, DEFER)
                 if GLU:
@@ -311,20 +308,15 @@ def launch(
     silu_mul: bool = False,
     block: list[int] | None = None,
     glu: bool = False,
-    quant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
-    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; quant: FP8 weights and a
-    bf16 / float32 x, quantized after the prologue with this activation scale (float32 [1]) as
-    `fp8.quantize` does; block: (BLOCK_N, BLOCK_K, num_warps[, defer[, per_sm]]), else
-    `config_for` the use; defer: one row only; per_sm: the resident body with that many
-    programs a multiprocessor (BLOCK_K >= K)."""
+    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
+    num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
+    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
-    if quant is not None and (w.dtype != torch.float8_e4m3fn or x.dtype == torch.float8_e4m3fn):
-        raise ValueError("gemv: quant is for FP8 weights and an unquantized x")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
     if x.shape[-1] != (2 * k if silu_mul else k):
         raise ValueError(f"gemv: x has {x.shape[-1]} columns for a weight of {k}{' (x2: silu_mul)' if silu_mul else ''}")
@@ -332,7 +324,7 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    fl = flags(norm is not None, silu_mul, residual is not None, glu, quant is not None)
+    fl = flags(norm is not None, silu_mul, residual is not None, glu)
     block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
     if per_sm and block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
@@ -341,13 +333,15 @@ def launch(
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
+    pdl = PDL and x.is_cuda
     _gemv[(programs,)](
-        x, w, y, res, scale if scale is not None else x, norm if norm is not None else x, quant if quant is not None else x,
+        x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, QUANT=quant is not None, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
-        EARLY=EARLY_LOAD, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
+        EARLY=EARLY_LOAD, PDL=pdl, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
@@ -357,5 +351,5 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
 
     @gemv.register_fake
     def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
-          glu=False, quant=None):  # fmt: skip
+          glu=False):  # fmt: skip
         return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)

@@ -56,7 +56,7 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
     late_text_fill: bool = False  # audio mode: the text branch fills its cache a step late, beside the next trunk
-    fp8_gemv_quant: bool = False  # FP8 decode: qkv's and gate_up's GEMVs norm and quantize their own input (no kernel before)
+    pdl: bool = False  # CUDA, Hopper on: our kernels launched as programmatic dependents (see gemv.py)
 
 
 def layer_step(
@@ -77,7 +77,6 @@ def layer_step(
     fused: bool = False,
     fused_attention: bool = False,
     glu: bool = False,
-    quant_in: bool = False,
 ) -> torch.Tensor:
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
@@ -86,12 +85,10 @@ def layer_step(
     fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
     glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
     programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
-    there the epilogue cost more than the kernel it saves, probe 17); quant_in: with the fused
-    GEMV and FP8 weights, qkv's and gate_up's GEMVs norm and quantize their input themselves
-    (the resident body does it once a program), so no norm-and-quantize kernel runs before them."""
+    there the epilogue cost more than the kernel it saves, probe 17)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
-    qkv_out = project(x, qkv, fused, norms[0], eps, quant_in=quant_in)
+    qkv_out = project(x, qkv, fused, norms[0], eps)
     if fused_attention and mask is not None and t == 1:
         fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
@@ -117,7 +114,7 @@ def layer_step(
         y = y.transpose(1, 2).reshape(b, t, -1)
     h = project(y, dense, fused, residual=x)
     glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
-    act = project(h, gate_up, fused, norms[1], eps, glu=glu, quant_in=quant_in)
+    act = project(h, gate_up, fused, norms[1], eps, glu=glu)
     return project(act, proj, fused, residual=h, silu_mul=not glu)
 
 
@@ -128,8 +125,7 @@ class Layer(nn.Module):
         self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step, fused=(False, False)
     ):
         super().__init__()
-        # fused: (GEMV, decode attention, GLU epilogue, FP8 input quantized in the GEMV)
-        self.spec, self.step, self.fused = spec, step, fused
+        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue)
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
         self.norms = tuple(
@@ -171,14 +167,13 @@ class TorchEngine(Engine, nn.Module):
         step = torch.compile(layer_step, dynamic=False, fullgraph=True) if options.compile else layer_step
         self.embedding = t("transformer.vocab_embedding.weight")
         norm_names = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
-        quant_in = options.gemv and options.fp8_gemv_quant and spec.hidden_size <= gemv.RESIDENT_MAX_K  # x's row in registers
         self.layers = nn.ModuleList(
             Layer(
                 spec,
                 layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
-                (options.gemv, options.decode_attention, options.gemv, quant_in),
+                (options.gemv, options.decode_attention, options.gemv),
             )
             for n in range(spec.num_layers)
         )
@@ -191,6 +186,9 @@ class TorchEngine(Engine, nn.Module):
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
         self.gemv_blocks = dict(options.gemv_blocks or {})
+        if options.pdl and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
+            raise ValueError("engine option pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 on")
+        gemv.PDL = attention.PDL = options.pdl  # module-wide, as gemv.BLOCKS: read at each launch
         if options.gemv and self.device.type == "cuda":
             if not self.gemv_blocks:  # first load (build): choose each use's blocks on this GPU
                 self.gemv_blocks = gemv.tune(self.gemv_uses())
@@ -217,7 +215,7 @@ class TorchEngine(Engine, nn.Module):
         (see `layer_step` and `project`: FP8 inputs arrive normed and quantized)."""
         uses = []
         for layer in self.layers:
-            glu, quant_in = layer.fused[2:4]
+            glu = layer.fused[2]
             for lin, norm, silu, res in (
                 (layer.qkv, True, False, False),
                 (layer.dense, False, False, True),
@@ -227,9 +225,7 @@ class TorchEngine(Engine, nn.Module):
                 a = lin.args()
                 bf16 = a.a_scale is None
                 w = a.weight if bf16 else a.fp8_weight
-                q = quant_in and not bf16 and norm  # FP8 qkv and gate_up: the GEMV norms and quantizes its input
-                fl = gemv.flags((norm and bf16) or q, silu and bf16, res, glu and bf16 and lin is layer.gate_up, q)
-                uses.append((w, fl))
+                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res, glu and bf16 and lin is layer.gate_up)))
         return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
     def forward_tokens(
