@@ -24,14 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.probe_parts import (
+    call_split,
     call_trace,
-    early_ab,
     glu_ab,
     kernel_summary,
     late_fill_ab,
     loop,
     loop_line,
-    pdl_ab,
     resident_ab,
     vocoder_times,
 )
@@ -266,7 +265,8 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
     parts = {
-        "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "earlyab": early_ab, "pdlab": pdl_ab,
+        "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab,
+        "callsplit": call_split,
         "calltrace": lambda e, i, d: call_trace(e, i, d, OUT_DIR / f"call-trace-{name.split()[0]}.json.gz"),
     }  # fmt: skip
     for word, part in parts.items():
@@ -300,9 +300,8 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
-        "pdl (our kernels as programmatic dependent launches), "
-        "lateab / gluab / resab / earlyab / pdlab (decode A/Bs: late fill, GLU, resident GEMV, the resident body's "
-        "early first load, pdl), calltrace (an engine call's host lead, GPU span and tail, traced), "
+        "lateab / gluab / resab (decode A/Bs: late fill, GLU, resident GEMV), "
+        "calltrace (an engine call's host lead, GPU span and tail, traced), callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
         "loop (the benchmark's stream, its vocoder left out: "
@@ -358,7 +357,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            late_text_fill="late" in words, pdl="pdl" in words,
+            late_text_fill="late" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

@@ -234,24 +234,6 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return out
 
 
-def early_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """The resident GEMV body loading its first weight tile before the prologue (as built)
-    against after it, with the same blocks (probe 19)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import gemv
-
-    def setting(early: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            gemv.EARLY_LOAD = early
-            engine.graphs = graphs
-
-        return apply
-
-    return interleaved_ab(engine, ids, dev, {"early": setting(True), "after_prologue": setting(False)})
-
-
 def call_trace(engine, ids: Ids, dev: torch.device, trace: Path) -> dict:
     """Where an engine call's time goes beyond its graph: 8 audio-mode decode calls (as the
     benchmark times them, synchronised) and 8 bare replays of the same graph, profiled with host
@@ -297,21 +279,42 @@ def call_trace(engine, ids: Ids, dev: torch.device, trace: Path) -> dict:
     return out
 
 
-def pdl_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """Our kernels (GEMV, decode attention and its combine) launched as programmatic dependents:
-    each program lets the next kernel launch at its start, and the next kernel's programs load
-    their first weight tile (resident GEMV body) before they wait for this one to finish;
-    against plain launches, the same blocks (probe 19)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import attention, gemv
+def call_split(engine, ids: Ids, dev: torch.device, repeat: int = 20) -> dict:
+    """An engine call's time taken apart without a profiler (which slows graph launches
+    tenfold): audio-mode decode at batch 1, each piece synchronised and timed alone, medians in
+    ms: the bare replay; with the token copy from the pinned buffer before it; with the host
+    write into that buffer too; `_step` (adds the outputs' clone); `decode` with host tokens (as
+    the benchmark times it; adds the position's increment) and with device tokens (as the
+    generation loop calls it) (probe 19)."""
+    if dev.type != "cuda":
+        return {}
+    engine.prefill(traffic.speech_prompt(1, 512, ids, seed=0))
+    tok = torch.tensor([[ids.pad, 100]])
+    for _ in range(3):
+        engine.decode(tok, need_text=False)
+    key = next(k for k in engine.graphs.graphs if k[0][:2] == (1, 1) and not k[1] and k[4] and k[5])
+    graph = engine.graphs.graphs[key][0]
+    static, pinned, _ = engine.static_tokens[key[0]]
+    kv_len, tok3, dev_tok = key[3], tok[:, None], tok.to(dev)
 
-    def setting(pdl: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
+    def h2d() -> None:
+        static.copy_(pinned, non_blocking=True)
+        graph.replay()
 
-        def apply() -> None:
-            gemv.PDL = attention.PDL = pdl
-            engine.graphs = graphs
+    def host_write() -> None:
+        pinned.copy_(tok3)
+        h2d()
 
-        return apply
-
-    return interleaved_ab(engine, ids, dev, {"pdl": setting(True), "plain": setting(False)}, rounds=6)
+    pieces = {
+        "replay": graph.replay,
+        "h2d_replay": h2d,
+        "write_h2d_replay": host_write,
+        "step": lambda: engine._step(tok3, engine.pos, False, False, kv_len, True, True),
+        "decode_host_tokens": lambda: engine.decode(tok, need_text=False),
+        "decode_device_tokens": lambda: engine.decode(dev_tok, need_text=False),
+    }
+    out = {}
+    for _ in range(2):  # twice in turn: the second pass is kept
+        for name, fn in pieces.items():
+            out[name] = round(roofline.median(roofline.timed_ms(fn, dev, repeat)), 4)
+    return out

@@ -112,13 +112,10 @@ def test_glu_epilogue_is_silu_gate_times_up(block):
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize(("block_n", "per_sm"), [(1, 1), (4, 1), (2, 2)])
-@pytest.mark.parametrize("early", [True, False])
-def test_resident_body_equals_torch(rows, block_n, per_sm, early, monkeypatch):
+def test_resident_body_equals_torch(rows, block_n, per_sm):
     """The resident body: x's whole row (BLOCK_K >= K, ragged) read and prologued once, then each
     program strides over column blocks (per_sm programs a "multiprocessor": the interpreter has
-    2), with every prologue and epilogue, its first weight tile loaded before the prologue
-    (early, as built) or after; BLOCK_K short of K is refused."""
-    monkeypatch.setattr(gemv, "EARLY_LOAD", early)
+    2), with every prologue and epilogue; BLOCK_K short of K is refused."""
     k, n = 200, 37
     x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
     block = (block_n, 256, 4, 0, per_sm)

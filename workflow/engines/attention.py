@@ -41,7 +41,6 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
-PDL = False  # CUDA, Hopper on: launched as programmatic dependents (set by the engine; see gemv.py)
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -79,11 +78,8 @@ if triton is not None:
         qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
-        if PDL:  # the next kernel (dense's GEMV) may launch and load its weights while this one runs
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()  # qkv and the caches belong to the kernels before until they finish
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
         g, d2, d = tl.arange(0, GP), tl.arange(0, D2), tl.arange(0, D)
@@ -140,12 +136,8 @@ if triton is not None:
     def _combine(
         y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
         H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-        PDL: tl.constexpr,
     ):  # fmt: skip
         """y of one (sequence, head) from its SPLITS partial softmaxes."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         bh = tl.program_id(0) * H + tl.program_id(1)
         sp, d = tl.arange(0, SP), tl.arange(0, D)
         ok = sp < SPLITS
@@ -214,19 +206,17 @@ def launch(
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
     g = h // hkv
-    pdl = PDL and qkv.is_cuda
-    pdl_kw = {"launch_pdl": True} if pdl else {}
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
         H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        QUANT=quant is not None, PDL=pdl, num_warps=num_warps, **pdl_kw,
+        QUANT=quant is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _combine[(b, h)](
             y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
-            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, PDL=pdl, num_warps=4, **pdl_kw,
+            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
         )  # fmt: skip
     return y
 

@@ -52,13 +52,11 @@ def available() -> bool:
 BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer, per_sm), from `tune`
 BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
 BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
-DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512)  # the deferred body holds BLOCK_N x BLOCK_K floats
+DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512, 1024)  # the deferred body holds BLOCK_N x BLOCK_K floats
 DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
-EARLY_LOAD = True  # the resident body loads its first weight tile before the prologue (a switch for the probe's A/B)
-PDL = False  # CUDA, Hopper on: launch as a programmatic dependent (set by the engine from its options; see `launch`)
 
 
 def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
@@ -240,21 +238,15 @@ if triton is not None:
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
-        if PDL:  # the next kernel may launch now: its programs take the SMs this one's leave and load their weights
-            tl.extra.cuda.gdc_launch_dependents()
         if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # GLU: rows rn and N + rn
-            if EARLY:  # the first weight tile's load goes out before the prologue, which its latency then hides
-                w, w2 = _rows(w_ptr, first, rk, k_ok, N, K, GLU)
-            if PDL:  # x, the residual and y's memory belong to the kernels before until they finish
-                tl.extra.cuda.gdc_wait()
+            first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # its first column block; GLU: rows rn and N + rn
             x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)  # one read of x: the norm's sum and the prologue
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
@@ -262,19 +254,14 @@ if triton is not None:
             xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
-                if not EARLY:
-                    w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
+                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
                 acc2 = acc
                 if GLU:
                     acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
                 n_ok = rn < N
                 _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
-                if EARLY:  # the next column block's tile (none past the last: masked)
-                    w, w2 = _rows(w_ptr, rn + programs * BLOCK_N, rk, k_ok, N, K, GLU)
         else:
-            if PDL:
-                tl.extra.cuda.gdc_wait()
             if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
                 rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
             else:
@@ -333,15 +320,13 @@ def launch(
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
-    pdl = PDL and x.is_cuda
     _gemv[(programs,)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
         GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
-        EARLY=EARLY_LOAD, PDL=pdl, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 

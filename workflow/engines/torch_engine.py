@@ -56,7 +56,6 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
     late_text_fill: bool = False  # audio mode: the text branch fills its cache a step late, beside the next trunk
-    pdl: bool = False  # CUDA, Hopper on: our kernels launched as programmatic dependents (see gemv.py)
 
 
 def layer_step(
@@ -186,9 +185,6 @@ class TorchEngine(Engine, nn.Module):
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
         self.gemv_blocks = dict(options.gemv_blocks or {})
-        if options.pdl and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
-            raise ValueError("engine option pdl: programmatic dependent launch needs a CUDA GPU of compute capability 9.0 on")
-        gemv.PDL = attention.PDL = options.pdl  # module-wide, as gemv.BLOCKS: read at each launch
         if options.gemv and self.device.type == "cuda":
             if not self.gemv_blocks:  # first load (build): choose each use's blocks on this GPU
                 self.gemv_blocks = gemv.tune(self.gemv_uses())
