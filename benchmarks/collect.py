@@ -2,7 +2,8 @@
 
 Reads each variant's verify.json and benchmark/benchmark.json as the pipeline wrote them and
 writes summary.json: the figures the performance goals are judged by, each variant's
-verify metrics, and the goals met or missed. Nothing is measured here.
+verify metrics, and the goals met, missed or, for a run of one variant only, not measured
+(the ratios between the two need both from one machine). Nothing is measured here.
 
     python benchmarks/collect.py --bf16 <dir> --fp8 <dir> --calibrate-tsv <tsv> --out summary.json \
         --command "<how the runs were made>"
@@ -28,24 +29,30 @@ GOALS = [  # (figure, comparison, limit, what the issue asks)
 STREAMS_GOAL = {"H200": 32, "H100": 24}  # concurrent streams at RTF < 1 on one GPU of that kind
 
 
-def figure(summary: dict, path: str) -> float:
+def figure(summary: dict, path: str) -> float | None:
+    """The figure at a dotted path; None where this run did not measure it."""
     out = summary
     for key in path.split("."):
+        if key not in out:
+            return None
         out = out[key]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bf16", type=Path, required=True, help="results/<tag>/torch-bf16 (or a copy of its files)")
-    ap.add_argument("--fp8", type=Path, required=True, help="results/<tag>/torch-fp8")
+    ap.add_argument("--bf16", type=Path, help="results/<tag>/torch-bf16 (or a copy of its files)")
+    ap.add_argument("--fp8", type=Path, help="results/<tag>/torch-fp8")
     ap.add_argument("--calibrate-tsv", type=Path, required=True, help="the calibrate rule's Snakemake benchmark TSV")
     ap.add_argument("--command", action="append", required=True)
     ap.add_argument("--date", required=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    runs = {p: json.loads(bench_json(getattr(args, p)).read_text()) for p in ("bf16", "fp8")}
-    checks = {p: json.loads((getattr(args, p) / "verify.json").read_text()) for p in ("bf16", "fp8")}
+    ran = [p for p in ("bf16", "fp8") if getattr(args, p)]
+    if not ran:
+        ap.error("give --bf16, --fp8 or both")
+    runs = {p: json.loads(bench_json(getattr(args, p)).read_text()) for p in ran}
+    checks = {p: json.loads((getattr(args, p) / "verify.json").read_text()) for p in ran}
     with open(args.calibrate_tsv) as f:
         calib_s = float(next(csv.DictReader(f, delimiter="\t"))["s"])
 
@@ -53,7 +60,7 @@ def main() -> None:
         return {p: runs[p]["summary"][key] for p in runs}
 
     s = {
-        "gpu": runs["bf16"]["machine"]["device"],
+        "gpu": runs[ran[0]]["machine"]["device"],
         "date": args.date,
         "commit": per_commit(runs),
         "command": args.command,
@@ -71,7 +78,7 @@ def main() -> None:
         "speedup_vs_eager_decode": per("speedup_vs_eager_decode"),
         "speedup_vs_eager_ttfa": per("speedup_vs_eager_ttfa"),
         "calibration_rule_s": calib_s,
-        "calibration_samples": checks["fp8"]["held_out"]["calibration_rows"],
+        "calibration_samples": checks["fp8"]["held_out"]["calibration_rows"] if "fp8" in checks else None,
         "verify": {
             p: {
                 "passed": c["passed"],
@@ -81,19 +88,21 @@ def main() -> None:
             for p, c in checks.items()
         },
     }
-    s["fp8_decode_speedup"] = s["decode_step_ms"]["bf16"] / s["decode_step_ms"]["fp8"]
-    s["fp8_prefill_speedup"] = s["prefill512_ms"]["bf16"] / s["prefill512_ms"]["fp8"]
+    if len(runs) == 2:
+        s["fp8_decode_speedup"] = s["decode_step_ms"]["bf16"] / s["decode_step_ms"]["fp8"]
+        s["fp8_prefill_speedup"] = s["prefill512_ms"]["bf16"] / s["prefill512_ms"]["fp8"]
     s["goals"] = []
     kind = next((k for k in STREAMS_GOAL if k in s["gpu"]), None)
     limit = STREAMS_GOAL.get(kind, 0)
     streams = [("max_streams_rtf_below_1.fp8", ">=", limit, f">= {limit} streams at RTF < 1 on one {kind}")] if kind else []
     for path, op, limit, text in GOALS + streams:
         got = figure(s, path)
-        met = got <= limit if op == "<=" else got >= limit
+        met = None if got is None else got <= limit if op == "<=" else got >= limit
         s["goals"].append({"goal": text, "figure": path, "measured": got, "limit": limit, "met": met})
     args.out.write_text(json.dumps(s, indent=2) + "\n")
     for g in s["goals"]:
-        print(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']:.3f}")
+        word = {True: "met   ", False: "MISSED", None: "no run"}[g["met"]]
+        print(f"{word} {g['goal']}: " + ("not measured" if g["measured"] is None else f"{g['measured']:.3f}"))
 
 
 def bench_json(variant: Path) -> Path:
