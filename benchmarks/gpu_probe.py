@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.probe_parts import (
     call_split,
-    call_trace,
     glu_ab,
     kernel_summary,
     late_fill_ab,
@@ -267,7 +266,6 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
     parts = {
         "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab,
         "callsplit": call_split,
-        "calltrace": lambda e, i, d: call_trace(e, i, d, OUT_DIR / f"call-trace-{name.split()[0]}.json.gz"),
     }  # fmt: skip
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
@@ -301,7 +299,7 @@ def main() -> None:
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
         "lateab / gluab / resab (decode A/Bs: late fill, GLU, resident GEMV), "
-        "calltrace (an engine call's host lead, GPU span and tail, traced), callsplit (an engine call's pieces timed), "
+        "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
         "loop (the benchmark's stream, its vocoder left out: "

@@ -234,51 +234,6 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return out
 
 
-def call_trace(engine, ids: Ids, dev: torch.device, trace: Path) -> dict:
-    """Where an engine call's time goes beyond its graph: 8 audio-mode decode calls (as the
-    benchmark times them, synchronised) and 8 bare replays of the same graph, profiled with host
-    and GPU; per call, medians in ms: lead (call start to its first GPU activity), span (first
-    to last GPU activity), tail (last GPU activity to the call's return, sync included). Writes
-    the gzipped Chrome trace (probe 19)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    if dev.type != "cuda":
-        return {}
-    engine.prefill(traffic.speech_prompt(1, 512, ids, seed=0))
-    tok = torch.tensor([[ids.pad, 100]])
-    for _ in range(3):
-        engine.decode(tok, need_text=False)
-    key = next(k for k in engine.graphs.graphs if k[0][:2] == (1, 1) and not k[1] and k[4] and k[5])
-    graph = engine.graphs.graphs[key][0]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for name, fn in (("call", lambda: engine.decode(tok, need_text=False)), ("replay", graph.replay)):
-            for _ in range(8):
-                with record_function(name):
-                    fn()
-                    torch.cuda.synchronize()
-    events = p.events()
-    gpu = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    out: dict = {}
-    for name in ("call", "replay"):
-        parts = {"lead": [], "span": [], "tail": [], "wall": []}
-        for w in (e for e in events if e.name == name and e.device_type == DeviceType.CPU):
-            inside = [g for g in gpu if w.time_range.start <= g[0] <= w.time_range.end]
-            if not inside:
-                continue
-            first, last = inside[0][0], max(g[1] for g in inside)
-            for k, v in (("lead", first - w.time_range.start), ("span", last - first), ("tail", w.time_range.end - last),
-                         ("wall", w.time_range.end - w.time_range.start)):  # fmt: skip
-                parts[k].append(v / 1e3)
-        out[name] = {k: round(roofline.median(v), 4) for k, v in parts.items() if v}
-    raw = trace.with_suffix(".tmp")
-    p.export_chrome_trace(str(raw))
-    trace.write_bytes(gzip.compress(raw.read_bytes()))
-    raw.unlink()
-    return out
-
-
 def call_split(engine, ids: Ids, dev: torch.device, repeat: int = 20) -> dict:
     """An engine call's time taken apart without a profiler (which slows graph launches
     tenfold): audio-mode decode at batch 1, each piece synchronised and timed alone, medians in

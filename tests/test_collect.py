@@ -1,0 +1,38 @@
+"""benchmarks/collect.py over committed GPU runs: the figures the README quotes come out of it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+COLLECT = Path(__file__).resolve().parents[1] / "benchmarks" / "collect.py"
+
+
+def collect(tmp_path: Path, run: str, *variants: str) -> dict:
+    args = [arg for v in variants for arg in (f"--{v}", str(RESULTS / run / f"torch-{v}"))]
+    out = tmp_path / "summary.json"
+    tsv = RESULTS / run / "benchmarks" / "calibrate-fp8.tsv"
+    cmd = [sys.executable, str(COLLECT), *args, "--calibrate-tsv", str(tsv), "--date", "d", "--command", "c", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def test_both_variants_give_the_committed_summary(tmp_path):
+    """Run 7's summary.json, recomputed from its two variants' files."""
+    got = collect(tmp_path, "2026-11-23-h100-full7", "bf16", "fp8")
+    want = json.loads((RESULTS / "2026-11-23-h100-full7" / "summary.json").read_text())
+    for key in ("decode_step_ms", "decode_vs_floor", "fp8_decode_speedup", "ttfa_ms_p50", "max_streams_rtf_below_1"):
+        assert got[key] == want[key]
+    assert [g["met"] for g in got["goals"]] == [g["met"] for g in want["goals"]]
+
+
+def test_one_variant_marks_what_it_cannot_judge(tmp_path):
+    """FP8 alone (run 8): its own figures and goals; bf16's and the ratios between the two are
+    not measured, neither met nor missed."""
+    got = collect(tmp_path, "2026-11-23-h100-full8", "fp8")
+    assert set(got["decode_step_ms"]) == {"fp8"} and "fp8_decode_speedup" not in got
+    goals = {g["figure"]: g for g in got["goals"]}
+    assert goals["decode_vs_floor.fp8"]["met"] is False and goals["rtf.fp8"]["met"] is True
+    for figure in ("decode_vs_floor.bf16", "fp8_decode_speedup", "fp8_prefill_speedup"):
+        assert goals[figure]["measured"] is None and goals[figure]["met"] is None
