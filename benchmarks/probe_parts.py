@@ -194,7 +194,7 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
         def apply() -> None:
             for layer in engine.layers:
-                layer.fused = (*layer.fused[:2], glu, *layer.fused[3:])
+                layer.fused = (*layer.fused[:2], glu)
             engine.graphs = graphs
 
         return apply
