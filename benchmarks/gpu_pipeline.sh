@@ -9,9 +9,10 @@
 # .whl holds the wheels listed in benchmarks/gpu-wheels.txt (how they are made is said there).
 # The machine must stay warm between calls (results/ lives on it). A stage cut at its 560 s limit
 # ("snakemake exit 124": the fp8 stage's build tunes for about 190 s) is run again as it is: the
-# rules it finished are cached, so the second call runs what is left (2026-11-23-h100-full8). Each call tars the small
-# artifacts (verify.json, benchmark.*, plots, engine.json, amax.json, rule TSVs, log tails) of
-# all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py then writes summary.json.
+# rules it finished are cached, so the second call runs what is left (2026-11-23-h100-full8).
+# Each call tars the small artifacts (verify.json, benchmark.*, plots, engine.json, amax.json,
+# rule TSVs, log tails) of all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py
+# then writes summary.json.
 set -euo pipefail
 stage=$1
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

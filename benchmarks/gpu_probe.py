@@ -31,6 +31,7 @@ from benchmarks.probe_parts import (
     loop,
     loop_line,
     resident_ab,
+    steady_key,
     vocoder_times,
 )
 from workflow import calibrate, roofline, traffic, verify
@@ -105,9 +106,7 @@ def replay_split(engine, ids, repeat: int = 20) -> dict:
     engine.prefill(traffic.speech_prompt(1, 512, ids, seed=0))
     tok = torch.tensor([[ids.pad, 100]])
     call = roofline.median(roofline.timed_ms(lambda: engine.decode(tok, need_text=False), DEV, repeat))
-    # key: (shape, need_text, all_logits, kv_len, owed, defer); owed == defer: the steady step (a late
-    # text fill's first step owes nothing yet and has a graph of its own)
-    graph = next(g for k, (g, _, _) in engine.graphs.graphs.items() if k[0][:2] == (1, 1) and not k[1] and k[4] == k[5])
+    graph = engine.graphs.graphs[steady_key(engine)][0]
 
     def burst() -> None:
         for _ in range(20):
@@ -263,10 +262,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {
-        "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab,
-        "callsplit": call_split,
-    }  # fmt: skip
+    parts = {"lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements

@@ -234,6 +234,13 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return out
 
 
+def steady_key(engine) -> tuple:
+    """The graph key of a steady audio-mode decode step at batch 1: (shape, need_text,
+    all_logits, kv_len, owed, defer) with owed == defer (a late text fill's first step owes
+    nothing yet and has a graph of its own)."""
+    return next(k for k in engine.graphs.graphs if k[0][:2] == (1, 1) and not k[1] and k[4] == k[5])
+
+
 def call_split(engine, ids: Ids, dev: torch.device, repeat: int = 20) -> dict:
     """An engine call's time taken apart without a profiler (which slows graph launches
     tenfold): audio-mode decode at batch 1, each piece synchronised and timed alone, medians in
@@ -247,10 +254,10 @@ def call_split(engine, ids: Ids, dev: torch.device, repeat: int = 20) -> dict:
     tok = torch.tensor([[ids.pad, 100]])
     for _ in range(3):
         engine.decode(tok, need_text=False)
-    key = next(k for k in engine.graphs.graphs if k[0][:2] == (1, 1) and not k[1] and k[4] and k[5])
+    key = steady_key(engine)
     graph = engine.graphs.graphs[key][0]
     static, pinned, _ = engine.static_tokens[key[0]]
-    kv_len, tok3, dev_tok = key[3], tok[:, None], tok.to(dev)
+    tok3, dev_tok = tok[:, None], tok.to(dev)
 
     def h2d() -> None:
         static.copy_(pinned, non_blocking=True)
@@ -264,7 +271,7 @@ def call_split(engine, ids: Ids, dev: torch.device, repeat: int = 20) -> dict:
         "replay": graph.replay,
         "h2d_replay": h2d,
         "write_h2d_replay": host_write,
-        "step": lambda: engine._step(tok3, engine.pos, False, False, kv_len, True, True),
+        "step": lambda: engine._step(tok3, engine.pos, *key[1:]),
         "decode_host_tokens": lambda: engine.decode(tok, need_text=False),
         "decode_device_tokens": lambda: engine.decode(dev_tok, need_text=False),
     }

@@ -181,7 +181,17 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             xf = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-            ss += tl.sum(xf.to(tl.float32) * xf.to(tl.float32), axis=1)
+            ss += _sum_sq(xf)
+        return _inv_rms(ss, eps, K)
+
+    @triton.jit
+    def _sum_sq(x):
+        """Each row's sum of squares, in float32."""
+        return tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+
+    @triton.jit
+    def _inv_rms(ss, eps, K: tl.constexpr):
+        """1 / rms from a row's sum of squares: one formula for both bodies' norms."""
         return 1.0 / tl.sqrt(ss / K + eps)
 
     @triton.jit
@@ -250,7 +260,7 @@ if triton is not None:
             x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)  # one read of x: the norm's sum and the prologue
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
-                rstd = 1.0 / tl.sqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1) / K + eps)
+                rstd = _inv_rms(_sum_sq(x), eps, K)
             xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
