@@ -206,17 +206,15 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
 def fold_ab(engine, ids: Ids, dev: torch.device) -> dict:
     """Split-S decode attention combined by each group's last program, in the same launch, against
-    the second combine kernel (no counters given) (probe 20)."""
+    the second combine kernel (attention.FOLD off) (probe 20)."""
     from workflow.cudagraphs import Graphs
-
-    counters = [layer.arrivals for layer in engine.layers]
+    from workflow.engines import attention
 
     def setting(fold: bool) -> Callable[[], None]:
         graphs = Graphs(dev)
 
         def apply() -> None:
-            for layer, c in zip(engine.layers, counters, strict=True):
-                layer.arrivals = c if fold else None
+            attention.FOLD = fold  # read at each launch, so at each capture
             engine.graphs = graphs
 
         return apply

@@ -44,6 +44,7 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
+FOLD = True  # combine split-S partials in the same launch where counters are given (False: probe A/Bs)
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -223,7 +224,7 @@ def launch(
     if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < b * hkv):
         raise ValueError(f"decode_attention: arrivals needs {b * hkv} int32 counters, got {arrivals.numel()} {arrivals.dtype}")
     splits = splits or choose_splits(b, hkv, kv_len, qkv.device)
-    fold = splits > 1 and arrivals is not None
+    fold = splits > 1 and arrivals is not None and FOLD
     split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_s) * block_s
     y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
