@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.probe_parts import (
     call_split,
-    fold_ab,
     glu_ab,
     kernel_summary,
     late_fill_ab,
@@ -263,7 +262,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "foldab": fold_ab, "callsplit": call_split}
+    parts = {"lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -295,7 +294,7 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
-        "lateab / gluab / resab / foldab (decode A/Bs: late fill, GLU, resident GEMV, attention's combine folded), "
+        "lateab / gluab / resab (decode A/Bs: late fill, GLU, resident GEMV), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "

@@ -204,24 +204,6 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return interleaved_ab(engine, ids, dev, {"glu": setting(True), "silu_prologue": setting(False)})
 
 
-def fold_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """Split-S decode attention combined by each group's last program, in the same launch, against
-    the second combine kernel (attention.FOLD off) (probe 20)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import attention
-
-    def setting(fold: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            attention.FOLD = fold  # read at each launch, so at each capture
-            engine.graphs = graphs
-
-        return apply
-
-    return interleaved_ab(engine, ids, dev, {"fold": setting(True), "two_kernels": setting(False)})
-
-
 def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     """The GEMV's blocks tuned with the resident body offered (as built) against tuned without
     it, each setting's blocks captured in its own graphs; and each use's tuned time both ways."""

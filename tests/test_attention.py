@@ -63,11 +63,9 @@ def test_equals_layer_step_and_writes_only_row_pos(b, g, d, kv_len, pos, splits,
     args = make(b, g, d, seq, pos)
     ref = {k: v.clone() for k, v in args.items()}
     want = reference(**ref, kv_len=kv_len)
-    arrivals = torch.zeros(b * HKV, dtype=torch.int32)  # split-S combines in the same launch
-    got = attention.launch(**args, kv_len=kv_len, eps=EPS, splits=splits, block_s=block_s, arrivals=arrivals)
+    got = attention.launch(**args, kv_len=kv_len, eps=EPS, splits=splits, block_s=block_s)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    assert not arrivals.any()  # left zeroed for the next launch
     for name in ("k_cache", "v_cache"):
         new, old = args[name], ref[name]
         assert torch.allclose(new[:b, :, pos], old[:b, :, pos], atol=1e-6, rtol=1e-6)  # sum order: ulps
@@ -107,24 +105,6 @@ def test_quant_gives_dense_its_fp8_input(splits):
     assert torch.equal(got.float(), want.float())
 
 
-@pytest.mark.parametrize("quant", [False, True])
-def test_combine_in_the_same_launch_equals_the_second_kernel(quant):
-    """The last program of a (sequence, kv head) to arrive combines its heads' partials: the
-    same sums in the same order as the second kernel, so bit-identical y; the counters it
-    used are zeroed again and the one past the batch's is never touched."""
-    b, g, d, kv_len, pos = 3, 4, 32, 256, 100
-    args = make(b, g, d, kv_len, pos)
-    a = torch.tensor([0.01]) if quant else None
-    two = attention.launch(**{k: v.clone() for k, v in args.items()}, kv_len=kv_len, eps=EPS, splits=4, quant=a)
-    arrivals = torch.zeros(b * HKV + 1, dtype=torch.int32)
-    arrivals[-1] = 7
-    one = attention.launch(**args, kv_len=kv_len, eps=EPS, splits=4, quant=a, arrivals=arrivals)
-    assert torch.equal(one.float(), two.float())
-    assert arrivals.tolist() == [0] * (b * HKV) + [7]
-    with pytest.raises(ValueError, match="arrivals"):
-        attention.launch(**args, kv_len=kv_len, eps=EPS, arrivals=torch.zeros(b * HKV - 1, dtype=torch.int32))
-
-
 def test_custom_op_mutates_the_caches_and_has_a_fake():
     """The registered op: the schema's mutations and the fake output agree with the real kernel."""
     b, g, d, kv_len, pos = 1, 2, 32, 128, 9
@@ -137,7 +117,6 @@ def test_custom_op_mutates_the_caches_and_has_a_fake():
     torch.library.opcheck(
         torch.ops.mossbuild.decode_attention.default,
         (*make(b, g, d, kv_len, pos).values(), kv_len, EPS, 2),
-        {"arrivals": torch.zeros(b * HKV, dtype=torch.int32)},
         test_utils=("test_schema", "test_faketensor"),
     )
 

@@ -13,11 +13,8 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
   (float32) softmax; the new token's own score and value come from registers, never from the
   cache row just written, so no program reads what another one writes;
 - split-S (flash-decoding, `splits` > 1): SPLITS programs per (sequence, kv head), each over a
-  slice of the positions, write partial max / sum / accumulator to a float32 scratch, then
-  combine them: with `arrivals` (a zeroed int32 counter per (sequence, kv head), which the
-  caller owns and which is left zeroed) the last of a group's programs to finish does it, in
-  the same launch; without, a small second kernel does. At batch 1 there are only Hkv
-  programs otherwise;
+  slice of the positions, write partial max / sum / accumulator to a float32 scratch, and a
+  small second kernel combines them. At batch 1 there are only Hkv programs otherwise;
 - epilogue: y rounded to the input dtype, as SDPA's output is; with `quant` (dense's FP8
   activation scale) then quantized as `fp8.quantize` does, so no quantize kernel runs between
   attention and dense's GEMV.
@@ -44,7 +41,6 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
-FOLD = True  # combine split-S partials in the same launch where counters are given (False: probe A/Bs)
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -79,10 +75,10 @@ if triton is not None:
     @triton.jit
     def _decode_attn(
         qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
-        arrivals_ptr, qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
+        qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, SPLIT_LEN: tl.constexpr,
-        BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, FOLD: tl.constexpr,
+        KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
@@ -135,37 +131,22 @@ if triton is not None:
             tl.store(m_ptr + part, m_i, mask=g_ok)
             tl.store(l_ptr + part, l_i, mask=g_ok)
             tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
-            if FOLD:  # the group's last program to arrive combines its G heads' partials
-                tl.debug_barrier()  # every thread's partials are stored before the arrival counts
-                arrival = arrivals_ptr + b * HKV + kvh
-                if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLITS - 1:
-                    for i in range(G):
-                        _combine_head(y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, b * H + kvh * G + i, D, SPLITS, SP,
-                                      qkv_ptr.dtype.element_ty, QUANT)  # fmt: skip
-                    tl.atomic_xchg(arrival, 0)  # zeroed again for the next launch
-
-    @triton.jit
-    def _combine_head(y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, bh, D: tl.constexpr, SPLITS: tl.constexpr,
-                      SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
-        """y of one (sequence, head) from its SPLITS partial softmaxes. The loads skip L1
-        (.cg): in the folded combine, other programs wrote those partials in this launch."""
-        sp, d = tl.arange(0, SP), tl.arange(0, D)
-        ok = sp < SPLITS
-        m = tl.load(m_ptr + bh * SPLITS + sp, mask=ok, other=-1.0e30, cache_modifier=".cg")
-        w = tl.where(ok, tl.exp2(m - tl.max(m, axis=0)), 0.0)
-        l_sum = tl.sum(w * tl.load(l_ptr + bh * SPLITS + sp, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-        acc = tl.load(acc_ptr + (bh * SPLITS + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        y = _output(tl.sum(w[:, None] * acc, axis=0) / l_sum, quant_ptr, ACT, QUANT)
-        tl.store(y_ptr + bh * D + d, y.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _combine(
         y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
         H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
-        """The second kernel of an unfolded split: one program a (sequence, head)."""
-        _combine_head(y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, tl.program_id(0) * H + tl.program_id(1), D, SPLITS, SP,
-                      ACT, QUANT)  # fmt: skip
+        """y of one (sequence, head) from its SPLITS partial softmaxes."""
+        bh = tl.program_id(0) * H + tl.program_id(1)
+        sp, d = tl.arange(0, SP), tl.arange(0, D)
+        ok = sp < SPLITS
+        m = tl.load(m_ptr + bh * SPLITS + sp, mask=ok, other=-1.0e30)
+        w = tl.where(ok, tl.exp2(m - tl.max(m, axis=0)), 0.0)
+        l_sum = tl.sum(w * tl.load(l_ptr + bh * SPLITS + sp, mask=ok, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + (bh * SPLITS + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        y = _output(tl.sum(w[:, None] * acc, axis=0) / l_sum, quant_ptr, ACT, QUANT)
+        tl.store(y_ptr + bh * D + d, y.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _fp8_round(v):
@@ -204,14 +185,12 @@ def launch(
     block_s: int = BLOCK_S,
     num_warps: int = NUM_WARPS,
     quant: torch.Tensor | None = None,
-    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [B, 1, H*D] for qkv [B, 1, (H + 2 Hkv) D]; writes the new k, v into the caches
     [Bmax, Hkv, S, D] at pos (int64 [1], shared by the batch). Attends to positions < kv_len
     that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
     combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
-    float8_e4m3fn input. arrivals: int32 [>= B * Hkv], zeroed, for the combine in the same
-    launch (left zeroed; two launches at once must not share it); None: a second kernel."""
+    float8_e4m3fn input."""
     b, t, width = qkv.shape
     _, hkv, seq, d = k_cache.shape
     h = width // d - 2 * hkv
@@ -221,10 +200,7 @@ def launch(
         raise ValueError(f"decode_attention: head_dim {d} (a power of 2 >= 32), kv_len {kv_len}, batch {b}")
     if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("decode_attention: qkv and the caches need unit stride on the last dimension")
-    if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < b * hkv):
-        raise ValueError(f"decode_attention: arrivals needs {b * hkv} int32 counters, got {arrivals.numel()} {arrivals.dtype}")
     splits = splits or choose_splits(b, hkv, kv_len, qkv.device)
-    fold = splits > 1 and arrivals is not None and FOLD
     split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_s) * block_s
     y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
@@ -232,13 +208,12 @@ def launch(
     g = h // hkv
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
-        arrivals if fold else pos, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        math.log2(math.e) / math.sqrt(d), H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len,
-        SPLITS=splits, SP=triton.next_power_of_2(splits), SPLIT_LEN=split_len, BLOCK_S=block_s,
-        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", QUANT=quant is not None, FOLD=fold,
-        num_warps=num_warps,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
+        H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
+        SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        QUANT=quant is not None, num_warps=num_warps,
     )  # fmt: skip
-    if splits > 1 and not fold:
+    if splits > 1:
         _combine[(b, h)](
             y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
             ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
@@ -246,13 +221,11 @@ def launch(
     return y
 
 
-if triton is not None:  # an opaque op to torch.compile and CUDA graphs: cache and counter writes, a fresh output
-    decode_attention = torch.library.custom_op(
-        "mossbuild::decode_attention", launch, mutates_args=("k_cache", "v_cache", "arrivals")
-    )
+if triton is not None:  # an opaque op to torch.compile and CUDA graphs: two cache writes and a fresh output
+    decode_attention = torch.library.custom_op("mossbuild::decode_attention", launch, mutates_args=("k_cache", "v_cache"))
 
     @decode_attention.register_fake
     def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S,
-          num_warps=NUM_WARPS, quant=None, arrivals=None):  # fmt: skip
+          num_warps=NUM_WARPS, quant=None):  # fmt: skip
         h = qkv.shape[-1] // k_cache.shape[-1] - 2 * k_cache.shape[1]
         return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1], dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)

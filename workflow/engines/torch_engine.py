@@ -66,7 +66,6 @@ def layer_step(
     mask: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    arrivals: torch.Tensor | None,
     norms: tuple[torch.Tensor, ...],
     qkv: LinearArgs,
     dense: LinearArgs,
@@ -81,7 +80,6 @@ def layer_step(
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
     otherwise attend to the first mask.shape[-1] cached positions where mask is True.
-    arrivals: the fused attention's counters (its split combine in one launch; None: two).
     norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV;
     fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
     glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
@@ -94,7 +92,7 @@ def layer_step(
         fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
             qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
-            quant=dense.a_scale if fp8_in else None, arrivals=arrivals,
+            quant=dense.a_scale if fp8_in else None,
         )  # fmt: skip
     else:
         q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
@@ -134,19 +132,17 @@ class Layer(nn.Module):
         )
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.arrivals: torch.Tensor | None = None  # the fused attention's, per (sequence, kv head): its own
 
     def setup_cache(self, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch, self.spec.num_key_value_heads, seq, self.spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.arrivals = torch.zeros(batch * self.spec.num_key_value_heads, dtype=torch.int32, device=device)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         return self.step(
-            x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.arrivals, self.norms,
+            x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
             self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args(),
             self.spec.rms_norm_eps, self.spec.head_dim, *self.fused,
         )  # fmt: skip
