@@ -10,6 +10,8 @@
 # The machine must stay warm between calls (results/ lives on it). A stage cut at its 560 s limit
 # ("snakemake exit 124": the fp8 stage's build tunes for about 190 s) is run again as it is: the
 # rules it finished are cached, so the second call runs what is left (2026-11-23-h100-full8).
+# MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
+# (the device tool gives a machine back after 30 minutes held; 2026-11-23-h100-full9's bf16 stage).
 # Each call tars the small artifacts (verify.json, benchmark.*, plots, engine.json, amax.json,
 # rule TSVs, log tails) of all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py
 # then writes summary.json.
@@ -21,7 +23,7 @@ export PYTHONPATH=/tmp/site
 : "${MOSSBUILD_COMMIT:?set MOSSBUILD_COMMIT: the GPU copy has no .git}"
 export MOSSBUILD_COMMIT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-run() { timeout 560 python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
+run() { timeout "${MOSSBUILD_STAGE_S:-560}" python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
 case $stage in
     fp8-calibrate) run --config engine='{precision: fp8}' --until calibrate ;;
     fp8) run --config engine='{precision: fp8}' ;;
