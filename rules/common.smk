@@ -115,8 +115,11 @@ def code(module):
 def workflow_imports(path, in_functions):
     """The workflow modules (and names from them) a module file imports: parsed once per
     file, not once per rule (every DAG build, a no-op run included, pays for it)."""
+    text = path.read_text()
+    if "workflow" not in text:  # imports none of ours: not worth a parse
+        return []
     found = []
-    for node in imports(ast.parse(path.read_text()), in_functions):
+    for node in imports(ast.parse(text), in_functions):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.startswith("workflow")]
         elif (node.module or "").startswith("workflow"):
@@ -124,9 +127,13 @@ def workflow_imports(path, in_functions):
     return found
 
 
+STATEMENT_LISTS = ("body", "orelse", "finalbody", "handlers", "cases")  # where statements nest
+
+
 def imports(tree, in_functions):
     """The import statements of a module, those inside its functions only if in_functions;
-    never those under `if TYPE_CHECKING:` (types only, nothing runs)."""
+    never those under `if TYPE_CHECKING:` (types only, nothing runs). Only statements are
+    walked, never expressions (no import is one): a no-op run's DAG pays for this walk."""
     todo = [tree]
     while todo:
         node = todo.pop()
@@ -140,7 +147,7 @@ def imports(tree, in_functions):
         if in_functions or not isinstance(
             node, (ast.FunctionDef, ast.AsyncFunctionDef)
         ):
-            todo += ast.iter_child_nodes(node)
+            todo += [n for field in STATEMENT_LISTS for n in getattr(node, field, ())]
 
 
 def source_files():
