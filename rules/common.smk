@@ -127,13 +127,14 @@ def workflow_imports(path, in_functions):
     return found
 
 
-STATEMENT_LISTS = ("body", "orelse", "finalbody", "handlers", "cases")  # where statements nest
+# where statements nest: the fields of a node that hold statement lists
+STATEMENT_LISTS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
 def imports(tree, in_functions):
     """The import statements of a module, those inside its functions only if in_functions;
-    never those under `if TYPE_CHECKING:` (types only, nothing runs). Only statements are
-    walked, never expressions (no import is one): a no-op run's DAG pays for this walk."""
+    never those under `if TYPE_CHECKING:` (types only, nothing runs). Statements only are
+    walked, not expressions (none is an import): every DAG build pays for this walk."""
     todo = [tree]
     while todo:
         node = todo.pop()
