@@ -115,11 +115,8 @@ def code(module):
 def workflow_imports(path, in_functions):
     """The workflow modules (and names from them) a module file imports: parsed once per
     file, not once per rule (every DAG build, a no-op run included, pays for it)."""
-    text = path.read_text()
-    if "workflow" not in text:  # imports none of ours: not worth a parse
-        return []
     found = []
-    for node in imports(ast.parse(text), in_functions):
+    for node in imports(ast.parse(path.read_text()), in_functions):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.startswith("workflow")]
         elif (node.module or "").startswith("workflow"):
