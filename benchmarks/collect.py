@@ -19,7 +19,7 @@ from pathlib import Path
 GOALS = [  # (figure, comparison, limit, what the issue asks)
     ("decode_vs_floor.bf16", "<=", 1.10, "bf16 decode step <= 1.10 x its floor"),
     ("decode_vs_floor.fp8", "<=", 1.15, "FP8 decode step <= 1.15 x its floor"),
-    ("fp8_decode_speedup", ">=", 1.45, "FP8-trunk decode >= 1.45 x faster than bf16"),
+    ("fp8_decode_speedup", ">=", 1.45, "FP8-trunk decode >= 1.45 x faster than bf16 (amortized steps where measured)"),
     ("prefill_matmul_efficiency.bf16", ">=", 0.65, "bf16 prefill of 512 >= 65 % of the measured matmul peak"),
     ("fp8_prefill_speedup", ">=", 1.40, "FP8 prefill >= 1.4 x bf16"),
     ("ttfa_ms_p50.fp8", "<=", 50.0, "time to first audio p50 <= 50 ms (FP8)"),
@@ -59,6 +59,9 @@ def main() -> None:
     def per(key: str) -> dict:
         return {p: runs[p]["summary"][key] for p in runs}
 
+    has_catch_up = all("decode_step_amortized_ms" in r["summary"] for r in runs.values())  # runs since the deferred text fill
+    amortized = {k: per(k) for k in ("decode_step_amortized_ms", "text_catch_up_ms")} if has_catch_up else {}
+
     s = {
         "gpu": runs[ran[0]]["machine"]["device"],
         "date": args.date,
@@ -69,6 +72,7 @@ def main() -> None:
         "decode_step_ms": per("decode_step_ms"),
         "decode_floor_ms": per("decode_floor_ms"),
         "decode_vs_floor": per("decode_vs_floor"),
+        **amortized,
         "prefill512_ms": per("prefill_ms"),
         "prefill_matmul_efficiency": per("prefill_matmul_efficiency"),
         "ttfa_ms_p50": per("ttfa_ms_p50"),
@@ -89,7 +93,8 @@ def main() -> None:
         },
     }
     if len(runs) == 2:
-        s["fp8_decode_speedup"] = s["decode_step_ms"]["bf16"] / s["decode_step_ms"]["fp8"]
+        step = s.get("decode_step_amortized_ms", s["decode_step_ms"])  # a reply's steps, the text catch-up spread over them
+        s["fp8_decode_speedup"] = step["bf16"] / step["fp8"]
         s["fp8_prefill_speedup"] = s["prefill512_ms"]["bf16"] / s["prefill512_ms"]["fp8"]
     s["goals"] = []
     kind = next((k for k in STREAMS_GOAL if k in s["gpu"]), None)

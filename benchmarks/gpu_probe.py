@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.probe_parts import (
     call_split,
+    defer_fill_ab,
     glu_ab,
     kernel_summary,
     late_fill_ab,
@@ -262,7 +263,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
+    parts = {"deferab": defer_fill_ab, "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -294,7 +295,8 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
-        "lateab / gluab / resab (decode A/Bs: late fill, GLU, resident GEMV), "
+        "defer (the text branch deferred to the next text-mode step), "
+        "deferab / lateab / gluab / resab (decode A/Bs: deferred fill, late fill, GLU, resident GEMV), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
@@ -333,6 +335,8 @@ def main() -> None:
         "bf16_text": 1e3 * roofline.step_bytes(spec, 2, 2, True) / bw,
         "fp8_audio": 1e3 * roofline.step_bytes(spec, 1, 2, False) / bw,
         "fp8_text": 1e3 * roofline.step_bytes(spec, 1, 2, True) / bw,
+        "bf16_audio_deferred": 1e3 * roofline.step_bytes(spec, 2, 2, False, text_branch=False) / bw,
+        "fp8_audio_deferred": 1e3 * roofline.step_bytes(spec, 1, 2, False, text_branch=False) / bw,
         "prefill512": 1e3 * roofline.prefill_flops(spec, 512) / (res["matmul_peak_TFLOPs"] * 1e12),
     }
     res["floors_ms"] = floors
@@ -351,7 +355,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            late_text_fill="late" in words,
+            late_text_fill="late" in words, defer_text_fill="defer" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:
@@ -398,7 +402,8 @@ def main() -> None:
             print(f"| {name} | FAILED: {v['failed'][:100]} |")
             continue
         a = v["agreement"]
-        floor = floors["fp8_audio" if name.startswith("fp8") else "bf16_audio"]
+        deferred = "_deferred" if "defer" in name.split()[-1].split("+") else ""
+        floor = floors[("fp8_audio" if name.startswith("fp8") else "bf16_audio") + deferred]
         print(
             f"| {name} | {a['text']['top1']:.4f}/{a['audio']['top1']:.4f} | "
             f"{a['text']['kl_mean']:.2e}/{a['audio']['kl_mean']:.2e} | "

@@ -183,6 +183,43 @@ def late_fill_ab(engine, ids: Ids, dev: torch.device) -> dict:
     )
 
 
+def defer_fill_ab(engine, ids: Ids, dev: torch.device, owed: int = LOOP["num_tokens"], repeat: int = 5) -> dict:
+    """The text branch deferred to the next text-mode step (audio steps read none of its
+    weights) against filled late (beside the next trunk) and in step; then, for each, what the
+    first text-mode step after `owed` audio steps costs (the deferred catch-up included), and a
+    text-mode step with nothing owed, medians in ms."""
+    from workflow.cudagraphs import Graphs
+
+    def setting(late: bool, defer: bool) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            engine.late_text_fill, engine.defer_text_fill = late, defer
+            engine.graphs = graphs
+
+        return apply
+
+    settings = {"deferred": setting(False, True), "late": setting(True, False), "in_step": setting(False, False)}
+    out = interleaved_ab(engine, ids, dev, settings)
+    if dev.type != "cuda":
+        return out
+    prompt = traffic.speech_prompt(1, 512, ids, seed=0)
+    audio, text = torch.tensor([[ids.pad, 100]]), torch.tensor([[100, ids.audio_pad]])
+    for name, apply in settings.items():
+        apply()
+        after, plain = [], []
+        for _ in range(repeat + 1):
+            engine.prefill(prompt)
+            for _ in range(owed):
+                engine.decode(audio, need_text=False)
+            after += roofline.timed_ms(lambda: engine.decode(text, need_text=True), dev, 1, warmup=0)
+            plain += roofline.timed_ms(lambda: engine.decode(text, need_text=True), dev, 1, warmup=0)
+        out[f"{name}_text_after_{owed}_audio_ms"] = roofline.median(after[1:])
+        out[f"{name}_text_step_ms"] = roofline.median(plain[1:])
+    settings["deferred"]()
+    return out
+
+
 def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
     """gate_up's GEMV ending in silu(gate) * up (bf16 layers: the branches in an FP8 engine)
     against proj's GEMV starting with it, each program re-reading [gate | up] (probe 17)."""

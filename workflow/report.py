@@ -54,7 +54,10 @@ def markdown(b: dict) -> str:
         "",
         f"- time to first audio p50 {sm['ttfa_ms_p50']:.1f} ms, p99 {sm['ttfa_ms_p99']:.1f} ms; RTF {sm['rtf']:.4f} (one stream)",
         f"- decode step (audio mode, batch 1) {sm['decode_step_ms']:.3f} ms; floor {sm['decode_floor_ms']:.3f} ms: "
-        f"{sm['decode_vs_floor']:.2f} x floor",
+        f"{sm['decode_vs_floor']:.2f} x floor"
+        + (" (the text branch deferred: not read in audio mode)" if b["engine"]["options"].get("defer_text_fill") else ""),
+        f"- the first text-mode step after a reply of {st['num_tokens']} audio steps costs {sm['text_catch_up_ms']:.3f} ms "
+        f"more than a plain one; spread over the reply, a decode step {sm['decode_step_amortized_ms']:.3f} ms",
         f"- prefill of {st['prompt_len']} tokens {sm['prefill_ms']:.2f} ms; matmul floor {f['prefill_ms']:.2f} ms: "
         f"{100 * sm['prefill_matmul_efficiency']:.0f} % of the measured matmul rate",
         f"- most concurrent streams with RTF < 1: {sm['max_streams_rtf_below_1']} (of {st['concurrency']})",
@@ -66,15 +69,17 @@ def markdown(b: dict) -> str:
         )
     lines += [
         "",
-        "| system | prefill ms p50 | decode step, audio mode, ms p50 / p99 | decode step, text mode, ms p50 |",
-        "|---|---|---|---|",
+        "| system | prefill ms p50 | decode step, audio mode, ms p50 / p99 | decode step, text mode, ms p50 "
+        "| text mode after a reply, ms p50 |",
+        "|---|---|---|---|---|",
     ]
     for name, mb in b["microbench"].items():
         a = mb["decode_audio_mode_ms"]
         text = mb["decode_text_mode_ms"]["p50"]
-        lines.append(f"| {name} | {mb['prefill_ms']['p50']:.2f} | {a['p50']:.3f} / {a['p99']:.3f} | {text:.3f} |")
+        after = mb["decode_text_after_reply_ms"]["p50"]
+        lines.append(f"| {name} | {mb['prefill_ms']['p50']:.2f} | {a['p50']:.3f} / {a['p99']:.3f} | {text:.3f} | {after:.3f} |")
     lines += [
-        f"| floor | {f['prefill_ms']:.2f} | {f['decode_audio_mode_ms']:.3f} | {f['decode_text_mode_ms']:.3f} |",
+        f"| floor | {f['prefill_ms']:.2f} | {f['decode_audio_mode_ms']:.3f} | {f['decode_text_mode_ms']:.3f} | |",
         "",
         "| system | streams | TTFA ms p50 / p99 | RTF p50 | prefill ms | token ms p50 / p99 | mel ms | vocoder ms | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -59,15 +59,17 @@ def layer_params(spec: ModelSpec) -> int:
     return h * spec.qkv_size + h * spec.num_attention_heads * spec.head_dim + 3 * h * spec.intermediate_size
 
 
-def step_bytes(spec: ModelSpec, trunk_bytes: float, other_bytes: float, need_text: bool) -> int:
+def step_bytes(spec: ModelSpec, trunk_bytes: float, other_bytes: float, need_text: bool, text_branch: bool = True) -> int:
     """Weight bytes one decode step reads: every layer and norm, the audio head, and the text
-    head only when needed (audio mode skips it). The embedding is one row a token: left out."""
+    head only when needed (audio mode skips it); text_branch False: an audio-mode step that
+    leaves the text branch to the next text-mode step (its read is then the catch-up's, once
+    for all the positions owed). The embedding is one row a token: left out."""
     h, d = spec.hidden_size, spec.head_dim
     norms = 2 * h + 2 * d
     trunk = spec.num_shared_layers * (layer_params(spec) * trunk_bytes + norms * other_bytes)
-    branches = 2 * spec.num_modality_layers * (layer_params(spec) + norms) * other_bytes + 2 * h * other_bytes
+    branch = spec.num_modality_layers * (layer_params(spec) + norms) * other_bytes + h * other_bytes
     heads = spec.audio_vocab_size * h + (spec.vocab_size * h if need_text else 0)
-    return int(trunk + branches + heads * other_bytes)
+    return int(trunk + branch * (2 if text_branch or need_text else 1) + heads * other_bytes)
 
 
 def prefill_flops(spec: ModelSpec, tokens: int) -> int:

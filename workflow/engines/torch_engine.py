@@ -56,6 +56,7 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
     late_text_fill: bool = False  # audio mode: the text branch fills its cache a step late, beside the next trunk
+    defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
 
 
 def layer_step(
@@ -139,9 +140,9 @@ class Layer(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, step=None
     ) -> torch.Tensor:
-        return self.step(
+        return (step or self.step)(
             x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
             self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args(),
             self.spec.rms_norm_eps, self.spec.head_dim, *self.fused,
@@ -205,6 +206,13 @@ class TorchEngine(Engine, nn.Module):
         self.text_owed = False  # the text branch owes the last position (its trunk output is in `owed`)
         self.owed = torch.zeros(options.max_batch, 1, spec.hidden_size, dtype=dt, device=dev)
         self.fill_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.defer_text_fill = options.defer_text_fill
+        self.text_filled = 0  # positions whose text-branch cache is filled; the rest are owed, their trunk outputs in `held`
+        self.held = torch.zeros(options.max_batch, options.max_seq_len, spec.hidden_size, dtype=dt, device=dev)
+
+    @property
+    def defers_text_branch(self) -> bool:
+        return self.defer_text_fill
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
@@ -233,11 +241,13 @@ class TorchEngine(Engine, nn.Module):
         kv_len: int | None,
         owed: bool = False,
         defer: bool = False,
+        hold: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens [B, T, 2] (text id, audio id) at positions pos [T] -> both heads' logits.
         kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions.
         owed: first run the text branch at pos - 1 from `owed` (beside the trunk, on CUDA);
-        defer: leave this position's text branch owed (its trunk output goes to `owed`)."""
+        defer: leave this position's text branch owed (its trunk output goes to `owed`);
+        hold: no text branch at all, the trunk output kept in `held` at pos for `_catch_up_text`."""
         cos, sin = self.cos[pos], self.sin[pos]
         mask = None if kv_len is None else torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None]
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
@@ -252,7 +262,9 @@ class TorchEngine(Engine, nn.Module):
             x = layer(x, cos, sin, pos, mask)
         if owed and not defer:
             self._join()  # the text branch reads its cache at pos - 1
-        text = x if defer else self._text_branch(x, cos, sin, pos, mask)
+        if hold:
+            self.held[:b].index_copy_(1, pos, x)
+        text = x if defer or hold else self._text_branch(x, cos, sin, pos, mask)
         audio = x
         for layer in self.audio_block:
             audio = layer(audio, cos, sin, pos, mask)
@@ -267,10 +279,22 @@ class TorchEngine(Engine, nn.Module):
             self.owed[:b].copy_(x)
         return text_logits, audio_logits
 
-    def _text_branch(self, x, cos, sin, pos, mask) -> torch.Tensor:
+    def _text_branch(self, x, cos, sin, pos, mask, step=None) -> torch.Tensor:
         for layer in self.text_block:
-            x = layer(x, cos, sin, pos, mask)
+            x = layer(x, cos, sin, pos, mask, step)
         return x
+
+    def _catch_up_text(self) -> None:
+        """The text branch over every position audio-mode steps left it (their trunk outputs
+        in `held`), at once, as a prefill continuing the cache: one read of its weights for
+        them all. Eager (`layer_step` uncompiled): the number owed varies, and a compile per
+        count would cost seconds."""
+        start, end = self.text_filled, self.length
+        if start < end:
+            pos = self.positions[start:end]
+            mask = torch.arange(kv_bucket(end, self.max_seq_len), device=self.device)[None, :] <= pos[:, None]
+            self._text_branch(self.held[: self.batch, start:end], self.cos[pos], self.sin[pos], pos, mask, layer_step)
+        self.text_filled = end
 
     def _fork(self) -> None:
         if self.fill_stream is not None:
@@ -290,7 +314,7 @@ class TorchEngine(Engine, nn.Module):
         b, t, _ = tokens.shape
         if b > self.max_batch or t > self.max_seq_len:
             raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
-        self.batch, self.length, self.text_owed = b, t, False
+        self.batch, self.length, self.text_owed, self.text_filled = b, t, False, t
         self.pos.fill_(t)
         return self._step(tokens, self.positions[:t], need_text, all_logits, None)
 
@@ -301,19 +325,24 @@ class TorchEngine(Engine, nn.Module):
             raise ValueError(f"decode of batch {b} after a prefill of batch {self.batch}")
         if self.length >= self.max_seq_len:
             raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
-        kv_len = min(self.max_seq_len, -(-(self.length + 1) // KV_BUCKET) * KV_BUCKET)
+        kv_len = kv_bucket(self.length + 1, self.max_seq_len)
+        hold = self.defer_text_fill and not need_text
+        if not hold:
+            self._catch_up_text()
         defer = self.late_text_fill and not need_text
-        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, self.text_owed, defer)
+        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, self.text_owed, defer, hold)
         self.text_owed = defer
         self.pos += 1
         self.length += 1
+        if not hold:
+            self.text_filled = self.length
         return out
 
-    def _step(self, tokens, pos, need_text: bool, all_logits: bool, kv_len: int | None, owed=False, defer=False):
+    def _step(self, tokens, pos, need_text: bool, all_logits: bool, kv_len: int | None, owed=False, defer=False, hold=False):
         """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket, late fill). Host
         tokens reach the graph's input through a pinned buffer, copied asynchronously, and the
         embedding rows are chosen inside the graph: a step costs the host one copy and one launch."""
-        args = (need_text, all_logits, kv_len, owed, defer)
+        args = (need_text, all_logits, kv_len, owed, defer, hold)
         if not self.use_graphs:
             return self.forward_tokens(tokens.to(self.device), pos, *args)
         shape = tuple(tokens.shape)
@@ -331,6 +360,12 @@ class TorchEngine(Engine, nn.Module):
         key = (shape, *args)
         text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, *args), state=(self.owed,))
         return (None if text is None else text.clone()), audio.clone()
+
+
+def kv_bucket(length: int, max_seq_len: int) -> int:
+    """How many cached positions decode attends to for a sequence of `length`: the next
+    multiple of KV_BUCKET (one graph per bucket), at most the cache."""
+    return min(max_seq_len, -(-length // KV_BUCKET) * KV_BUCKET)
 
 
 def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TorchEngine:
