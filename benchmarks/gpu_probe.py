@@ -28,7 +28,6 @@ from benchmarks.probe_parts import (
     defer_fill_ab,
     glu_ab,
     kernel_summary,
-    late_fill_ab,
     loop,
     loop_line,
     resident_ab,
@@ -263,7 +262,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"deferab": defer_fill_ab, "lateab": late_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
+    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -294,9 +293,9 @@ def main() -> None:
         default="bf16 eager,bf16 graphs,bf16 compile+graphs,bf16 compile+graphs+gemv,fp8 graphs,fp8 compile+graphs,"
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
-        "nodefer (no deferred GEMV body offered to the tuner), late (the text branch filled a step late), "
+        "nodefer (no deferred GEMV body offered to the tuner), "
         "defer (the text branch deferred to the next text-mode step), "
-        "deferab / lateab / gluab / resab (decode A/Bs: deferred fill, late fill, GLU, resident GEMV), "
+        "deferab / gluab / resab (decode A/Bs: deferred text fill, GLU, resident GEMV), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
@@ -355,7 +354,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            late_text_fill="late" in words, defer_text_fill="defer" in words,
+            defer_text_fill="defer" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

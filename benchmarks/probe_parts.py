@@ -164,42 +164,23 @@ def interleaved_ab(engine, ids: Ids, dev: torch.device, settings: dict[str, Call
     return out
 
 
-def late_fill_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """The text branch filled late (beside the next trunk) against in step, and the late fill
-    with the critical path captured at default priority instead of high (probe 16)."""
-    from workflow.cudagraphs import Graphs
-
-    def setting(late: bool, priority: int) -> Callable[[], None]:
-        graphs = Graphs(dev, priority=priority)
-
-        def apply() -> None:
-            engine.late_text_fill = late
-            engine.graphs = graphs
-
-        return apply
-
-    return interleaved_ab(
-        engine, ids, dev, {"late": setting(True, -1), "in_step": setting(False, -1), "late_default_priority": setting(True, 0)}
-    )
-
-
 def defer_fill_ab(engine, ids: Ids, dev: torch.device, owed: int = LOOP["num_tokens"], repeat: int = 5) -> dict:
     """The text branch deferred to the next text-mode step (audio steps read none of its
-    weights) against filled late (beside the next trunk) and in step; then, for each, what the
-    first text-mode step after `owed` audio steps costs (the deferred catch-up included), and a
-    text-mode step with nothing owed, medians in ms."""
+    weights) against filled in step; then, for each, what the first text-mode step after `owed`
+    audio steps costs (the deferred catch-up included), and a text-mode step with nothing owed,
+    medians in ms (probe 22; the late fill it replaced was measured against both there)."""
     from workflow.cudagraphs import Graphs
 
-    def setting(late: bool, defer: bool) -> Callable[[], None]:
+    def setting(defer: bool) -> Callable[[], None]:
         graphs = Graphs(dev)
 
         def apply() -> None:
-            engine.late_text_fill, engine.defer_text_fill = late, defer
+            engine.defer_text_fill = defer
             engine.graphs = graphs
 
         return apply
 
-    settings = {"deferred": setting(False, True), "late": setting(True, False), "in_step": setting(False, False)}
+    settings = {"deferred": setting(True), "in_step": setting(False)}
     out = interleaved_ab(engine, ids, dev, settings)
     if dev.type != "cuda":
         return out
@@ -273,9 +254,8 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
 def steady_key(engine) -> tuple:
     """The graph key of a steady audio-mode decode step at batch 1: (shape, need_text,
-    all_logits, kv_len, owed, defer) with owed == defer (a late text fill's first step owes
-    nothing yet and has a graph of its own)."""
-    return next(k for k in engine.graphs.graphs if k[0][:2] == (1, 1) and not k[1] and k[4] == k[5])
+    all_logits, kv_len, hold); not a catch-up's ("catch-up", batch, rows, kv_len)."""
+    return next(k for k in engine.graphs.graphs if k[0] != "catch-up" and k[0][:2] == (1, 1) and not k[1])
 
 
 def call_split(engine, ids: Ids, dev: torch.device, repeat: int = 20) -> dict:

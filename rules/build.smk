@@ -19,7 +19,7 @@ rule build:
         + ("--gemv " if config["engine"]["gemv"] else "")
         + ("--decode-attention " if config["engine"]["decode_attention"] else "")
         + ("--fp8-fast-accum " if config["engine"]["fp8_fast_accum"] else "")
-        + ("--late-text-fill " if config["engine"]["late_text_fill"] else "")
+        + ("--defer-text-fill " if config["engine"]["defer_text_fill"] else "")
         + ("" if config["engine"]["cuda_graphs"] else "--no-cuda-graphs"),
     shell:
         "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"

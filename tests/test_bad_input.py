@@ -293,9 +293,9 @@ CASES: dict[str, Callable[..., Bad]] = {
         "config: engine.fp8_fast_accum",
         "an option of the torch backend, not trtllm",
     ),
-    "late_text_fill_off_the_torch_backend": build(
-        ["--backend", "trtllm", "--device", "cuda", "--late-text-fill"],
-        "config: engine.late_text_fill",
+    "defer_text_fill_off_the_torch_backend": build(
+        ["--backend", "trtllm", "--device", "cuda", "--defer-text-fill"],
+        "config: engine.defer_text_fill",
         "an option of the torch backend, not trtllm",
     ),
     "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),

@@ -125,12 +125,11 @@ def test_skipping_the_text_head_changes_nothing_else(engine):
     assert with_head.audio_mode.any()
 
 
-@pytest.mark.parametrize("fill", ["late_text_fill", "defer_text_fill"])
-def test_text_fill_off_the_step_matches_reference_across_mode_switches(engine, ref, fill):
-    """With the text branch of audio-mode steps left to the next step (late) or to the next
-    text-mode step (deferred), every head the loop reads still matches the reference: text
-    logits after runs of audio steps need the text cache of every position."""
-    setattr(engine, fill, True)
+def test_deferred_text_fill_matches_reference_across_mode_switches(engine, ref):
+    """With the text branch of audio-mode steps left to the next text-mode step, every head
+    the loop reads still matches the reference: text logits after runs of audio steps need the
+    text cache of every position, filled by the catch-up (its padding rows included)."""
+    engine.defer_text_fill = True
     ids = Ids.of(engine.spec)
     prompts = traffic.batch(2, 30, ids, seed=21)
     follow = traffic.batch(2, 10, ids, seed=22)
@@ -150,30 +149,33 @@ def test_text_fill_off_the_step_matches_reference_across_mode_switches(engine, r
     assert got.audio_mode.any() and not got.audio_mode.all()
 
 
-def test_deferred_text_fill_skips_the_text_branch_then_catches_up(tiny_engine_dir):
+@pytest.mark.parametrize("room", [None, 6], ids=["padded", "no_room_to_pad"])
+def test_deferred_text_fill_skips_the_text_branch_then_catches_up(tiny_engine_dir, room):
     """Audio-mode steps leave the text cache untouched (the branch is not run: its weights
     are not read), and the first text-mode step fills every owed position with what in-step
-    filling writes; the other caches are never affected."""
+    filling writes; the other caches are never affected. room: positions left in the cache
+    after the prompt (6: too few to pad the catch-up's rows, which then run as they are)."""
     ids = Ids.of(load_engine(tiny_engine_dir).spec)
-    prompts, follow = traffic.batch(2, 20, ids, seed=23), traffic.batch(2, 6, ids, seed=24)
+    n = 20 if room is None else load_engine(tiny_engine_dir).max_seq_len - room
+    prompts, follow = traffic.batch(2, n, ids, seed=23), traffic.batch(2, 6, ids, seed=24)
     engines = {}
     for defer in (False, True):
         e = engines[defer] = load_engine(tiny_engine_dir)
         e.defer_text_fill = defer
         e.prefill(prompts)
         for layer in e.layers:
-            layer.k_cache[:, :, 20:26].fill_(7.0)  # a marker (masked until written: NaN would leak through)
+            layer.k_cache[:, :, n : n + 6].fill_(7.0)  # a marker (masked until written: NaN would leak through)
         for t in range(5):
             e.decode(follow[:, t], need_text=False)
     text = [e.text_block for e in engines.values()]
-    assert all((layer.k_cache[:2, :, 20:25] != 7.0).all() for layer in text[0])
-    assert all((layer.k_cache[:2, :, 20:25] == 7.0).all() for layer in text[1])
+    assert all((layer.k_cache[:2, :, n : n + 5] != 7.0).all() for layer in text[0])
+    assert all((layer.k_cache[:2, :, n : n + 5] == 7.0).all() for layer in text[1])
     got = [e.decode(follow[:, 5], need_text=True) for e in engines.values()]
     assert (got[0][0] - got[1][0]).abs().max() < TOL and (got[0][1] - got[1][1]).abs().max() < TOL
     for a, b in zip(engines[False].layers, engines[True].layers, strict=True):
         for want, have in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
-            assert (want[:2, :, :26] - have[:2, :, :26]).abs().max() < TOL
-    assert engines[True].text_filled == 26
+            assert (want[:2, :, : n + 6] - have[:2, :, : n + 6]).abs().max() < TOL
+    assert engines[True].text_filled == n + 6
 
 
 def test_batch_rows_are_independent(engine):

@@ -77,6 +77,16 @@ def test_seeded_engine_bug_fails_verify(bug, tiny_engine_dir, tiny_hf):
     assert any(f.startswith(bug.fails) for f in report["failures"]), report["failures"]
 
 
+def test_an_engine_deferring_the_text_branch_passes_verify(tiny_engine_dir, tiny_hf):
+    """verify's decode path skips the text head where the loop does, so a deferring engine's
+    catch-up is what its text logits after audio steps read (and the seeded hole above fails)."""
+    engine = load_engine(tiny_engine_dir)
+    engine.defer_text_fill = True
+    report = evaluate_engine(engine, tiny_hf)
+    assert report["passed"], report["failures"]
+    assert report["teacher_forced_decode"]["text"]["positions"] < report["teacher_forced_decode"]["audio"]["positions"]
+
+
 @pytest.mark.parametrize("bug", [b for b in BUGS if b.refused_at_build], ids=lambda b: b.name)
 def test_seeded_bug_that_cannot_load_is_refused_at_build(bug, request, tmp_path):
     bad = write_variant(_checkpoint(bug.precision, request), tmp_path / "ckpt", bug.checkpoint)

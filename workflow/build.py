@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemv", action="store_true", help="torch backend: decode's matmuls through the fused Triton GEMV")
     ap.add_argument("--decode-attention", action="store_true", help="torch backend: decode's attention as one Triton kernel")
     ap.add_argument("--fp8-fast-accum", action="store_true", help="torch backend: FP8 GEMMs with fast accumulation")
-    ap.add_argument("--late-text-fill", action="store_true", help="torch backend: audio mode fills the text branch a step late")
+    ap.add_argument(
+        "--defer-text-fill", action="store_true", help="torch backend: audio mode leaves the text branch to the next text step"
+    )
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
     for flag, on, kernel in (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention)):
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
             raise InputError(where, f"{why}, not {args.backend} on {args.device}")
         if on and not kernel.available():
             raise InputError(f"config: engine.{flag}", "needs Triton, which is not installed (pip install triton)")
-    for flag, on in (("fp8_fast_accum", args.fp8_fast_accum), ("late_text_fill", args.late_text_fill)):
+    for flag, on in (("fp8_fast_accum", args.fp8_fast_accum), ("defer_text_fill", args.defer_text_fill)):
         if on and args.backend != "torch":
             raise InputError(f"config: engine.{flag}", f"an option of the torch backend, not {args.backend}")
     cfg, spec = trtckpt.read_config(args.ckpt)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             "gemv": args.gemv,
             "decode_attention": args.decode_attention,
             "fp8_fast_accum": args.fp8_fast_accum,
-            "late_text_fill": args.late_text_fill,
+            "defer_text_fill": args.defer_text_fill,
         },
         "spec": spec.to_dict(),
         "versions": versions(),

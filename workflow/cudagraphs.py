@@ -5,8 +5,8 @@ the graph of that key; the first request warms up on a side stream (where torch.
 cuBLAS may allocate and choose kernels) and captures, later ones replay.
 
 Capture runs on a high-priority stream: PyTorch instantiates graphs with per-node priorities,
-so a step's own kernels keep that priority, and work it forks onto a default-priority stream
-(the engine's late text-branch fill) only gets SMs its critical path leaves free.
+so a step's own kernels keep that priority, and work beside it on a default-priority stream
+only gets SMs its critical path leaves free.
 """
 
 from __future__ import annotations

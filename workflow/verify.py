@@ -68,43 +68,57 @@ def batches(prompts: torch.Tensor, max_batch: int) -> list[torch.Tensor]:
 def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids) -> dict[str, dict]:
     """Both heads' metrics, engine against reference, along two engine paths: "prefill" over
     every position of every prompt, and "decode" over the second half of each prompt, fed one
-    decode step at a time after a prefill of the first. One reference pass serves both."""
+    decode step at a time after a prefill of the first. One reference pass serves both. The
+    text head is compared wherever the engine was asked for it (decode skips it at steps where
+    every sequence is in audio mode, as the generation loop does)."""
     n_codes = ids.eosp + 1
     acc: dict[str, dict[str, list[torch.Tensor]]] = {
-        path: {k: [] for k in ("rt", "et", "ra", "ea", "mode")} for path in ("prefill", "decode")
+        path: {k: [] for k in ("rt", "et", "ra", "ea", "mode", "asked")} for path in ("prefill", "decode")
     }
     for chunk in batches(prompts, engine.max_batch):
         rt, ra, _ = ref(chunk)
         mode = audio_mode_after(chunk, ids)
         start, end = chunk.shape[1] // 2, chunk.shape[1]
         after = slice(start - 1, end - 1)  # positions whose logits the decode path produces
+        dt, da, asked = _decode_logits(engine, chunk, start, mode)  # first: its caches hold no earlier pass over chunk
+        et, ea = engine.prefill(chunk, all_logits=True)
         paths = {
-            "prefill": (*engine.prefill(chunk, all_logits=True), rt, ra, mode),
-            "decode": (*_decode_logits(engine, chunk, start), rt[:, after], ra[:, after], mode[:, after]),
+            "prefill": (et, ea, rt, ra, mode, torch.ones_like(mode)),
+            "decode": (dt, da, rt[:, after], ra[:, after], mode[:, after], asked),
         }
-        for path, (et, ea, rt_, ra_, mode_) in paths.items():
-            for k, v in (("rt", rt_), ("et", et), ("ra", ra_[..., :n_codes]), ("ea", ea[..., :n_codes])):
+        for path, (et_, ea_, rt_, ra_, mode_, asked_) in paths.items():
+            for k, v in (("rt", rt_), ("et", et_), ("ra", ra_[..., :n_codes]), ("ea", ea_[..., :n_codes])):
                 acc[path][k].append(v.float().cpu().flatten(0, 1))
             acc[path]["mode"].append(mode_.flatten().cpu())
+            acc[path]["asked"].append(asked_.flatten().cpu())
     out = {}
     for path, parts in acc.items():
         cat = {k: torch.cat(v) for k, v in parts.items()}
+        asked = cat["asked"]
         out[path] = {
-            "text": head_metrics(cat["rt"], cat["et"], ~cat["mode"]),
+            "text": head_metrics(cat["rt"][asked], cat["et"][asked], ~cat["mode"][asked]),
             "audio": head_metrics(cat["ra"], cat["ea"], cat["mode"]),
         }
     return out
 
 
-def _decode_logits(engine: Engine, chunk: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits after positions start-1 .. T-2: a prefill of chunk[:, :start], then decode steps."""
+def _decode_logits(
+    engine: Engine, chunk: torch.Tensor, start: int, mode: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits after positions start-1 .. T-2: a prefill of chunk[:, :start], then decode steps,
+    each asking for text logits only if some sequence's next token is a text one, as the
+    generation loop asks (so an engine that skips the text head, or defers the text branch, in
+    audio mode is checked doing so); and [B, steps] marking where text logits were asked for
+    (elsewhere they are zeros, standing for audio-mode positions only)."""
     text, audio = engine.prefill(chunk[:, :start])
-    texts, audios = [text], [audio]
+    texts, audios, asked = [text], [audio], [True]
     for t in range(start, chunk.shape[1] - 1):
-        text, audio = engine.decode(chunk[:, t])
-        texts.append(text)
+        asked.append(not bool(mode[:, t].all()))
+        text, audio = engine.decode(chunk[:, t], need_text=asked[-1])
+        texts.append(torch.zeros_like(texts[0]) if text is None else text)
         audios.append(audio)
-    return torch.stack(texts, 1), torch.stack(audios, 1)
+    asked_rows = torch.tensor(asked).expand(chunk.shape[0], -1)
+    return torch.stack(texts, 1), torch.stack(audios, 1), asked_rows
 
 
 def greedy(engine: Engine, ref: ReferenceEngine, prompts: torch.Tensor, steps: int, ids: Ids) -> dict:

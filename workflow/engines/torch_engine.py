@@ -13,17 +13,16 @@ every layer. With `gemv` and `decode_attention`, decode goes through our Triton 
 whole attention, each one kernel; linears.py holds the linear layers and `project`, which picks
 the path.
 
-With `late_text_fill`, an audio-mode step leaves the text branch's work at its position (only
-filling that branch's KV cache: its logits are not read) to the next step, which runs it on a
-default-priority side stream beside its own trunk, captured in the same graph. The weights read
-are the same; the text branch's kernels fill the SMs that the critical path's small kernels
-leave idle as they start and drain. A text-mode step joins that work before its text branch, so
-every step computes exactly what it did: only the order changes.
+With `defer_text_fill`, an audio-mode step runs no text branch at all (its only use there is
+to fill that branch's KV cache: the text logits are never read, FACTS.md 1); it keeps the
+trunk's output, and the next step that needs text first runs the text branch over every
+position owed, at once, like a prefill continuing the cache: one read of the branch's weights
+(1.5 GB in bf16) per spoken reply instead of one per audio step. Every logit the loop reads is
+the same function; only when the text cache is filled changes.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from workflow.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_BUCKET = 128  # decode attends to the cache in steps of this many positions
+CATCH_UP_ROWS = 16  # the deferred text branch's catch-up runs at least this many rows (a graph per power of two)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class EngineOptions:
     gemv_blocks: dict | None = None  # its block shapes per weight shape, tuned at build (gemv.tune)
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
-    late_text_fill: bool = False  # audio mode: the text branch fills its cache a step late, beside the next trunk
     defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
 
 
@@ -202,13 +201,10 @@ class TorchEngine(Engine, nn.Module):
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
         self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
-        self.late_text_fill = options.late_text_fill
-        self.text_owed = False  # the text branch owes the last position (its trunk output is in `owed`)
-        self.owed = torch.zeros(options.max_batch, 1, spec.hidden_size, dtype=dt, device=dev)
-        self.fill_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.defer_text_fill = options.defer_text_fill
         self.text_filled = 0  # positions whose text-branch cache is filled; the rest are owed, their trunk outputs in `held`
         self.held = torch.zeros(options.max_batch, options.max_seq_len, spec.hidden_size, dtype=dt, device=dev)
+        self.catch_up_pos = torch.zeros(options.max_seq_len, dtype=torch.long, device=dev)  # the catch-up graphs' input
 
     @property
     def defers_text_branch(self) -> bool:
@@ -239,32 +235,20 @@ class TorchEngine(Engine, nn.Module):
         need_text: bool,
         all_logits: bool,
         kv_len: int | None,
-        owed: bool = False,
-        defer: bool = False,
         hold: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens [B, T, 2] (text id, audio id) at positions pos [T] -> both heads' logits.
         kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions.
-        owed: first run the text branch at pos - 1 from `owed` (beside the trunk, on CUDA);
-        defer: leave this position's text branch owed (its trunk output goes to `owed`);
-        hold: no text branch at all, the trunk output kept in `held` at pos for `_catch_up_text`."""
+        hold: no text branch, the trunk output kept in `held` at pos for `_catch_up_text`."""
         cos, sin = self.cos[pos], self.sin[pos]
         mask = None if kv_len is None else torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None]
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
         b = x.shape[0]
-        if owed:
-            self._fork()
-            with self._on_fill_stream():
-                prev = pos - 1
-                fill_mask = torch.arange(kv_len, device=tokens.device)[None, :] <= prev[:, None]
-                self._text_branch(self.owed[:b], self.cos[prev], self.sin[prev], prev, fill_mask)
         for layer in self.trunk:
             x = layer(x, cos, sin, pos, mask)
-        if owed and not defer:
-            self._join()  # the text branch reads its cache at pos - 1
         if hold:
             self.held[:b].index_copy_(1, pos, x)
-        text = x if defer or hold else self._text_branch(x, cos, sin, pos, mask)
+        text = x if hold else self._text_branch(x, cos, sin, pos, mask)
         audio = x
         for layer in self.audio_block:
             audio = layer(audio, cos, sin, pos, mask)
@@ -273,10 +257,6 @@ class TorchEngine(Engine, nn.Module):
         eps, fused = self.spec.rms_norm_eps, self.options.gemv
         text_logits = project(text, self.lm_head.args(), fused, self.ln_f, eps).float() if need_text else None
         audio_logits = project(audio, self.audio_lm_head.args(), fused, self.audio_ln_f, eps).float()
-        if owed and defer:
-            self._join()  # the fill has read `owed`
-        if defer:
-            self.owed[:b].copy_(x)
         return text_logits, audio_logits
 
     def _text_branch(self, x, cos, sin, pos, mask, step=None) -> torch.Tensor:
@@ -285,27 +265,32 @@ class TorchEngine(Engine, nn.Module):
         return x
 
     def _catch_up_text(self) -> None:
-        """The text branch over every position audio-mode steps left it (their trunk outputs
-        in `held`), at once, as a prefill continuing the cache: one read of its weights for
-        them all. Eager (`layer_step` uncompiled): the number owed varies, and a compile per
-        count would cost seconds."""
-        start, end = self.text_filled, self.length
-        if start < end:
-            pos = self.positions[start:end]
-            mask = torch.arange(kv_bucket(end, self.max_seq_len), device=self.device)[None, :] <= pos[:, None]
-            self._text_branch(self.held[: self.batch, start:end], self.cos[pos], self.sin[pos], pos, mask, layer_step)
+        """The text branch over every position audio-mode steps left it, at once, as a prefill
+        continuing the cache: one read of its weights for them all. The rows are padded to a
+        power of two (at least CATCH_UP_ROWS) with positions past the sequence, whose cache
+        entries no one reads before a later step writes them, so that on CUDA a graph per (batch,
+        rows, attention bucket) replays it: run eagerly, its ~250 small ops cost the host
+        milliseconds. Eager `layer_step` under the graph: a compile per row count would cost
+        seconds."""
+        start, end, b = self.text_filled, self.length, self.batch
         self.text_filled = end
+        if start == end:
+            return
+        rows = max(CATCH_UP_ROWS, 1 << (end - start - 1).bit_length())
+        rows = rows if start + rows <= self.max_seq_len else end - start  # no room to pad: exactly those owed
+        kv_len = kv_bucket(start + rows, self.max_seq_len)
+        self.catch_up_pos[:rows].copy_(self.positions[start : start + rows])
 
-    def _fork(self) -> None:
-        if self.fill_stream is not None:
-            self.fill_stream.wait_stream(torch.cuda.current_stream(self.device))
+        def fill() -> torch.Tensor:
+            pos = self.catch_up_pos[:rows]
+            mask = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]
+            x = self.held[:b].index_select(1, pos)
+            return self._text_branch(x, self.cos[pos], self.sin[pos], pos, mask, layer_step)
 
-    def _on_fill_stream(self):
-        return torch.cuda.stream(self.fill_stream) if self.fill_stream is not None else contextlib.nullcontext()
-
-    def _join(self) -> None:
-        if self.fill_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.fill_stream)
+        if self.use_graphs:
+            self.graphs.run(("catch-up", b, rows, kv_len), fill)
+        else:
+            fill()
 
     @torch.no_grad()
     def prefill(
@@ -314,7 +299,7 @@ class TorchEngine(Engine, nn.Module):
         b, t, _ = tokens.shape
         if b > self.max_batch or t > self.max_seq_len:
             raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
-        self.batch, self.length, self.text_owed, self.text_filled = b, t, False, t
+        self.batch, self.length, self.text_filled = b, t, t
         self.pos.fill_(t)
         return self._step(tokens, self.positions[:t], need_text, all_logits, None)
 
@@ -329,20 +314,18 @@ class TorchEngine(Engine, nn.Module):
         hold = self.defer_text_fill and not need_text
         if not hold:
             self._catch_up_text()
-        defer = self.late_text_fill and not need_text
-        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, self.text_owed, defer, hold)
-        self.text_owed = defer
+        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, hold)
         self.pos += 1
         self.length += 1
         if not hold:
             self.text_filled = self.length
         return out
 
-    def _step(self, tokens, pos, need_text: bool, all_logits: bool, kv_len: int | None, owed=False, defer=False, hold=False):
-        """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket, late fill). Host
+    def _step(self, tokens, pos, need_text: bool, all_logits: bool, kv_len: int | None, hold: bool = False):
+        """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket, hold). Host
         tokens reach the graph's input through a pinned buffer, copied asynchronously, and the
         embedding rows are chosen inside the graph: a step costs the host one copy and one launch."""
-        args = (need_text, all_logits, kv_len, owed, defer, hold)
+        args = (need_text, all_logits, kv_len, hold)
         if not self.use_graphs:
             return self.forward_tokens(tokens.to(self.device), pos, *args)
         shape = tuple(tokens.shape)
@@ -358,7 +341,7 @@ class TorchEngine(Engine, nn.Module):
         else:
             static.copy_(tokens)
         key = (shape, *args)
-        text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, *args), state=(self.owed,))
+        text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, *args))
         return (None if text is None else text.clone()), audio.clone()
 
 
@@ -370,7 +353,10 @@ def kv_bucket(length: int, max_seq_len: int) -> int:
 
 def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TorchEngine:
     """Open an engine directory written by build (its checkpoint files are hard links)."""
-    opts = EngineOptions(**meta["options"])
+    known = dict(meta["options"])
+    if known.pop("late_text_fill", False):  # engines built before the deferred fill: its successor, the same function
+        known["defer_text_fill"] = True
+    opts = EngineOptions(**known)
     opts = replace(opts, device=device or opts.device, max_batch=max_batch or opts.max_batch)
     _, spec, tensors = trtckpt.load_checkpoint(engine_dir, device="cuda" if opts.device.startswith("cuda") else "cpu")
     return TorchEngine(spec, tensors, opts)
