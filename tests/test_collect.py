@@ -20,10 +20,10 @@ def collect(tmp_path: Path, run: str, *variants: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("run", ["2026-11-23-h100-full7", "2026-11-23-h100-full9"])
+@pytest.mark.parametrize("run", ["2026-11-23-h100-full7", "2026-11-23-h100-full9", "2026-11-24-h100-full10"])
 def test_both_variants_give_the_committed_summary(tmp_path, run):
-    """Runs 7 and 9 (the one README's table quotes): each summary.json, recomputed from its two
-    variants' files."""
+    """Runs 7, 9 and 10 (the one README's table quotes): each summary.json, recomputed from its
+    two variants' files."""
     got = collect(tmp_path, run, "bf16", "fp8")
     want = json.loads((RESULTS / run / "summary.json").read_text())
     for key in ("decode_step_ms", "decode_vs_floor", "fp8_decode_speedup", "ttfa_ms_p50", "max_streams_rtf_below_1"):
@@ -40,3 +40,15 @@ def test_one_variant_marks_what_it_cannot_judge(tmp_path):
     assert goals["decode_vs_floor.fp8"]["met"] is False and goals["rtf.fp8"]["met"] is True
     for figure in ("decode_vs_floor.bf16", "fp8_decode_speedup", "fp8_prefill_speedup"):
         assert goals[figure]["measured"] is None and goals[figure]["met"] is None
+
+
+def test_the_speed_up_spreads_the_text_catch_up_where_it_was_measured(tmp_path):
+    """Run 10 (text branch deferred): the FP8 speed-up is judged on steps with the catch-up
+    spread over the reply, not on the bare audio steps; run 9 (no catch-up measured) on its steps."""
+    got = collect(tmp_path, "2026-11-24-h100-full10", "bf16", "fp8")
+    spread, bare = got["decode_step_amortized_ms"], got["decode_step_ms"]
+    assert all(spread[p] > bare[p] for p in ("bf16", "fp8"))
+    assert got["fp8_decode_speedup"] == spread["bf16"] / spread["fp8"] != bare["bf16"] / bare["fp8"]
+    old = collect(tmp_path, "2026-11-23-h100-full9", "bf16", "fp8")
+    assert "decode_step_amortized_ms" not in old
+    assert old["fp8_decode_speedup"] == old["decode_step_ms"]["bf16"] / old["decode_step_ms"]["fp8"]
