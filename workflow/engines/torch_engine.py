@@ -23,6 +23,7 @@ the same function; only when the text cache is filled changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -139,7 +140,13 @@ class Layer(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, step=None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor | None,
+        step: Callable | None = None,  # layer_step itself where the compiled one would recompile per shape
     ) -> torch.Tensor:
         return (step or self.step)(
             x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
@@ -273,7 +280,6 @@ class TorchEngine(Engine, nn.Module):
         milliseconds. Eager `layer_step` under the graph: a compile per row count would cost
         seconds."""
         start, end, b = self.text_filled, self.length, self.batch
-        self.text_filled = end
         if start == end:
             return
         rows = max(CATCH_UP_ROWS, 1 << (end - start - 1).bit_length())
@@ -291,6 +297,7 @@ class TorchEngine(Engine, nn.Module):
             self.graphs.run(("catch-up", b, rows, kv_len), fill)
         else:
             fill()
+        self.text_filled = end
 
     @torch.no_grad()
     def prefill(
