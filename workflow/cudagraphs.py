@@ -4,9 +4,8 @@ The caller owns static input buffers: it copies each call's inputs into them, th
 the graph of that key; the first request warms up on a side stream (where torch.compile and
 cuBLAS may allocate and choose kernels) and captures, later ones replay.
 
-Capture runs on a high-priority stream: PyTorch instantiates graphs with per-node priorities,
-so a step's own kernels keep that priority, and work beside it on a default-priority stream
-only gets SMs its critical path leaves free.
+Capture runs on a high-priority stream (CAPTURE_PRIORITY): PyTorch instantiates graphs with
+per-node priorities, so a step's own kernels keep that priority over default-priority work.
 """
 
 from __future__ import annotations
@@ -17,31 +16,28 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+CAPTURE_PRIORITY = -1  # of the capture stream: lower is higher; 0 the default
 
 
 class Graphs:
-    def __init__(self, device: torch.device, priority: int = -1):
+    def __init__(self, device: torch.device):
         self.device = device
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
         self.pool = None  # one memory pool for all of them: they never run at the same time
-        self.priority = priority  # of the capture stream: lower is higher; 0 the default
 
-    def run(self, key: Hashable, fn: Callable[[], T], state: tuple[torch.Tensor, ...] = ()) -> T:
-        """fn() replayed from the graph captured for `key` (captured now if new). state: tensors
-        fn reads and then overwrites; the warm-up run's writes to them are undone before the
-        replay, so that it reads what the caller left there."""
+    def run(self, key: Hashable, fn: Callable[[], T]) -> T:
+        """fn() replayed from the graph captured for `key` (captured now if new). fn runs three
+        times on a new key (warm-up, capture, replay): whatever it writes must be the same each
+        time (the engine's cache writes at the step's positions are)."""
         if key not in self.graphs:
-            saved = [t.clone() for t in state]
             current = torch.cuda.current_stream(self.device)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 fn()
             current.wait_stream(side)
-            for t, s in zip(state, saved, strict=True):
-                t.copy_(s)
             graph = torch.cuda.CUDAGraph()
-            capture = torch.cuda.Stream(self.device, priority=self.priority)
+            capture = torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
             with torch.cuda.graph(graph, pool=self.pool, stream=capture):
                 out = fn()
             self.pool = graph.pool()

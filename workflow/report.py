@@ -76,8 +76,8 @@ def markdown(b: dict) -> str:
     for name, mb in b["microbench"].items():
         a = mb["decode_audio_mode_ms"]
         text = mb["decode_text_mode_ms"]["p50"]
-        after = mb["decode_text_after_reply_ms"]["p50"]
-        lines.append(f"| {name} | {mb['prefill_ms']['p50']:.2f} | {a['p50']:.3f} / {a['p99']:.3f} | {text:.3f} | {after:.3f} |")
+        after = f"{mb['decode_text_after_reply_ms']['p50']:.3f}" if "decode_text_after_reply_ms" in mb else "not timed"
+        lines.append(f"| {name} | {mb['prefill_ms']['p50']:.2f} | {a['p50']:.3f} / {a['p99']:.3f} | {text:.3f} | {after} |")
     lines += [
         f"| floor | {f['prefill_ms']:.2f} | {f['decode_audio_mode_ms']:.3f} | {f['decode_text_mode_ms']:.3f} | |",
         "",

@@ -8,7 +8,7 @@ An engine holds its KV caches (trunk, text branch, audio branch: distinct layers
 Both take need_text: False when every sequence's next token is sampled in audio mode, whose
 text logits are never read (FACTS.md section 1); the engine may then skip the text head (a
 151 k x 4 k weight read) and return None, while the text branch still fills its KV cache, in
-that step or (`defers_text_branch`) for all the positions owed at the next step that needs
+that step or (`defer_text_fill`) for all the positions owed at the next step that needs
 text: the text branch's output is read nowhere else.
 
 Each position carries (text id, audio id). Its embedding is the text one unless the text id
@@ -39,7 +39,7 @@ class Engine(ABC):
     device: torch.device
     max_batch: int
     max_seq_len: int
-    defers_text_branch: bool = False  # audio-mode decode leaves the text branch to the next text-mode step
+    defer_text_fill: bool = False  # audio-mode decode leaves the text branch to the next text-mode step
 
     @abstractmethod
     def prefill(
@@ -52,4 +52,4 @@ class Engine(ABC):
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One step for each sequence. With need_text False (every sequence in audio mode) the
         text head is skipped and None returned; the text branch still fills its cache (or, with
-        defers_text_branch, catches up at the next decode with need_text)."""
+        defer_text_fill, catches up at the next decode with need_text)."""

@@ -210,12 +210,8 @@ class TorchEngine(Engine, nn.Module):
         self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
         self.defer_text_fill = options.defer_text_fill
         self.text_filled = 0  # positions whose text-branch cache is filled; the rest are owed, their trunk outputs in `held`
-        self.held = torch.zeros(options.max_batch, options.max_seq_len, spec.hidden_size, dtype=dt, device=dev)
+        self.held: torch.Tensor | None = None  # [max_batch, max_seq_len, hidden], made by the first step that defers
         self.catch_up_pos = torch.zeros(options.max_seq_len, dtype=torch.long, device=dev)  # the catch-up graphs' input
-
-    @property
-    def defers_text_branch(self) -> bool:
-        return self.defer_text_fill
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
@@ -321,6 +317,8 @@ class TorchEngine(Engine, nn.Module):
         hold = self.defer_text_fill and not need_text
         if not hold:
             self._catch_up_text()
+        elif self.held is None:  # outside any graph: those that hold read this one buffer
+            self.held = self.embedding.new_zeros(self.max_batch, self.max_seq_len, self.spec.hidden_size)
         out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, hold)
         self.pos += 1
         self.length += 1
