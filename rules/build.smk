@@ -15,12 +15,7 @@ rule build:
         **res("build"),
     params:
         e=config["engine"],
-        flags=("--compile " if config["engine"]["compile"] else "")
-        + ("--gemv " if config["engine"]["gemv"] else "")
-        + ("--decode-attention " if config["engine"]["decode_attention"] else "")
-        + ("--fp8-fast-accum " if config["engine"]["fp8_fast_accum"] else "")
-        + ("--defer-text-fill " if config["engine"]["defer_text_fill"] else "")
-        + ("" if config["engine"]["cuda_graphs"] else "--no-cuda-graphs"),
+        flags=build_flags(config["engine"]),
     shell:
         "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"
         " --device {params.e[device]} --dtype {params.e[dtype]} --max-batch {params.e[max_batch]} --max-seq-len {params.e[max_seq_len]} {params.flags}"

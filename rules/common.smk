@@ -180,5 +180,22 @@ def res(rule):
     return r
 
 
+# engine options passed to build as a flag each when on (cuda_graphs: a flag when off)
+BUILD_FLAGS = {
+    "compile": "--compile",
+    "gemv": "--gemv",
+    "decode_attention": "--decode-attention",
+    "fp8_fast_accum": "--fp8-fast-accum",
+    "defer_text_fill": "--defer-text-fill",
+    "fp8_weight_only_decode": "--fp8-weight-only-decode",
+}
+
+
+def build_flags(engine):
+    """build's switches for the engine options of config."""
+    on = [flag for option, flag in BUILD_FLAGS.items() if engine[option]]
+    return " ".join(on + ([] if engine["cuda_graphs"] else ["--no-cuda-graphs"]))
+
+
 def as_json(obj):
     return json.dumps(obj, sort_keys=True)

@@ -10,9 +10,10 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   are megabytes), rounded exactly as `linears.rms_norm` rounds; or silu(gate) * up from
   gate_up's output (proj's input);
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
-  x must already be FP8-rounded (the caller quantizes it with the calibrated scale, fused by
-  torch.compile into the op before), and each part of W's rows (fc|gate: two) has its own
-  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Three bodies, a
+  W, x is either FP8-rounded (W8A8: the caller quantizes it with the calibrated scale, fused
+  by torch.compile into the op before) or 16-bit (weight-only: no quantize kernel, the
+  prologues as for bf16), and each part of W's rows (fc|gate: two) has its own scale, applied
+  as acc * scale[part], the arithmetic of torch._scaled_mm. Three bodies, a
   tuning choice: reduce each [BLOCK_N, BLOCK_K] tile over K as it comes (a cross-thread sum
   per tile), or, for one row, keep the tile's float32 products as partial sums and reduce
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
@@ -20,7 +21,7 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   row and run the prologue once, then stride over column blocks (bf16 decode -0.06 ms on an
   H100: benchmarks/results/2026-11-22-h100-probe18);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
-  the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
+  the same two roundings as `x + F.linear(...)`; or, `glu` (gate_up, not W8A8), silu(gate) * up: a
   program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
   (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
   the two, it brought nothing: benchmarks/results/2026-11-22-h100-probe17).
@@ -76,10 +77,11 @@ def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]
     return ok + resident
 
 
-def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
+def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False, w8a16: bool = False) -> str:
     """The prologue and epilogue a call runs with: they change the best block shape (a norm
-    or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
-    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu))
+    or silu prologue re-reads x in every program, so fewer, wider programs can win); w8a16: FP8
+    weights read against 16-bit x (weight-only), not FP8 x."""
+    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu), ("w8a16", w8a16))
     return "+".join(name for name, on in named if on)
 
 
@@ -113,9 +115,9 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             continue
         copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
         act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
-        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(act if "w8a16" in on else w.dtype)
         args = {
-            "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
+            "scale": torch.ones(2 if "glu" in on else 1, device=w.device) if nbytes == 1 else None,
             "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
             "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
             "silu_mul": "silu" in on,
@@ -321,7 +323,7 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    fl = flags(norm is not None, silu_mul, residual is not None, glu)
+    fl = flags(norm is not None, silu_mul, residual is not None, glu, w.element_size() == 1 and x.element_size() > 1)
     block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
     if per_sm and block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
