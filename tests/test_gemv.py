@@ -119,6 +119,12 @@ def test_fp8_weight_only_reads_x_unquantized_through_every_prologue(block):
     got = gemv.launch(x, w8, torch.float32, scale=ws, glu=True, block=block)
     assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     assert gemv.flags(True, False, False, w8a16=True) == "norm+w8a16"  # tuned apart from W8A8's blocks
+    # bf16 x: 1/rms on the float32 result, the normed x never rounded: exact but for y's rounding
+    xb = x.bfloat16()
+    got = gemv.launch(xb, w8, torch.bfloat16, scale=ws, norm=g.bfloat16(), eps=1e-6, block=block).double()
+    xd = xb.double()
+    exact = (xd * g.bfloat16().double()) @ deq.double().t() / (xd.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    assert ((got - exact).abs() <= ulp_bf16(exact) + 1e-6).all()  # one ulp: the interpreter truncates
 
 
 @pytest.mark.parametrize("block", [(4, 64, 4), (4, 64, 4, 1)])

@@ -8,7 +8,10 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 
 - prologue: the input row's RMSNorm, recomputed by every program (x is a few KB; the weights
   are megabytes), rounded exactly as `linears.rms_norm` rounds; or silu(gate) * up from
-  gate_up's output (proj's input);
+  gate_up's output (proj's input). FP8 weight-only (`LATE`) keeps only the norm's weight in
+  the prologue and puts 1/rms on the float32 result, its sum taken in the same pass over x:
+  no pre-pass over x in every program, and the normed x is not rounded to 16 bits (more
+  exact than rms_norm, not equal to it);
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
   W, x is either FP8-rounded (W8A8: the caller quantizes it with the calibrated scale, fused
   by torch.compile into the op before) or 16-bit (weight-only: no quantize kernel, the
@@ -159,8 +162,12 @@ if triton is not None:
         return x, up
 
     @triton.jit
-    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
-        """x's tile through the prologue, as float32, rounded where the torch ops round."""
+    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM: tl.constexpr, SILU_MUL: tl.constexpr, LATE: tl.constexpr):
+        """x's tile through the prologue, as float32, rounded where the torch ops round; LATE:
+        the norm's weight only (1/rms comes after the dot, in `_store`)."""
+        if LATE:
+            g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
+            return g.to(tl.float32)[None, :] * x.to(tl.float32)
         if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
             gf = x.to(tl.float32)
             x = ((gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
@@ -169,12 +176,6 @@ if triton is not None:
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
             x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
         return x.to(tl.float32)
-
-    @triton.jit
-    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
-        """x's tile [M, BLOCK_K] loaded and through the prologue, as float32."""
-        x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
-        return _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
 
     @triton.jit
     def _rstd(x_ptr, rm, m_ok, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -227,16 +228,19 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part,
-               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr):  # fmt: skip
-        """The epilogue: rounded to y's dtype; GLU: silu(gate) * up, rounded as gate_up's output,
-        silu's and the product are; then the residual added and rounded again."""
+    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, rstd,
+               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr,
+               LATE: tl.constexpr):  # fmt: skip
+        """The epilogue: (LATE: times each row's 1/rms, in float32) rounded to y's dtype; GLU:
+        silu(gate) * up, rounded as gate_up's output, silu's and the product are; then the
+        residual added and rounded again."""
         out_ptrs = rm[:, None] * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         dt = y_ptr.dtype.element_ty
-        y = _finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
+        r = rstd[:, None] if LATE else 1.0
+        y = (_finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE) * r).to(dt)
         if GLU:
-            u = _finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
+            u = (_finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE) * r).to(dt)
             gf = y.to(tl.float32)
             y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
         if HAS_RES:
@@ -250,7 +254,7 @@ if triton is not None:
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, LATE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
@@ -263,7 +267,7 @@ if triton is not None:
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
                 rstd = _inv_rms(_sum_sq(x), eps, K)
-            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
+            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL, LATE)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
                 w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
@@ -272,9 +276,10 @@ if triton is not None:
                 if GLU:
                     acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
                 n_ok = rn < N
-                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
+                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, rstd,
+                       HAS_RES, HAS_SCALE, GLU, False, LATE)  # fmt: skip
         else:
-            if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
+            if NORM and not LATE:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
                 rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
             else:
                 rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -285,15 +290,22 @@ if triton is not None:
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc2 = acc  # GLU's second half (up)
+            ss = tl.zeros((BLOCK_M,), tl.float32)  # LATE: the norm's sums of squares, in the same pass
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = rk < K
-                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
+                x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
+                if LATE:
+                    ss += _sum_sq(x)
+                xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL, LATE)
                 w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = _accumulate(acc, xf, w, DEFER)
                 if GLU:
                     acc2 = _accumulate(acc2, xf, w2, DEFER)
-            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, DEFER)
+            if LATE:
+                rstd = _inv_rms(ss, eps, K)
+            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, rstd,
+                   HAS_RES, HAS_SCALE, GLU, DEFER, LATE)  # fmt: skip
 
 
 def launch(
@@ -323,7 +335,8 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    fl = flags(norm is not None, silu_mul, residual is not None, glu, w.element_size() == 1 and x.element_size() > 1)
+    w8a16 = w.element_size() == 1 and x.element_size() > 1
+    fl = flags(norm is not None, silu_mul, residual is not None, glu, w8a16)
     block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
     if per_sm and block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
@@ -337,7 +350,7 @@ def launch(
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), LATE=norm is not None and w8a16,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
