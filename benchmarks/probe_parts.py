@@ -252,34 +252,6 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return out
 
 
-def weight_only_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """FP8 decode GEMVs reading x unquantized (weight-only, W8A16: the 96 quantize kernels of a
-    step gone, gate_up ending in silu(gate) * up) against W8A8, each with its own tuned blocks
-    and graphs; and each GEMV use's tuned time (probe 24)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import gemv
-    from workflow.engines.linears import Fp8Linear
-
-    fp8 = [m for m in engine.modules() if isinstance(m, Fp8Linear)]
-
-    def setting(on: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            for m in fp8:
-                m.weight_only = on
-            engine.graphs = graphs
-
-        return apply
-
-    built = fp8[0].weight_only
-    setting(not built)()
-    gemv.tune(engine.gemv_uses())  # the other way's blocks, beside the built way's (tuned at build)
-    out = interleaved_ab(engine, ids, dev, {"weight_only": setting(True), "w8a8": setting(False)})
-    out["tuned_us"] = {k: round(1000 * v, 1) for k, v in gemv.TUNED_MS.items()}
-    return out
-
-
 def steady_key(engine) -> tuple:
     """The graph key of a steady audio-mode decode step at batch 1: (shape, need_text,
     all_logits, kv_len, hold); not a catch-up's ("catch-up", batch, rows, kv_len)."""

@@ -298,9 +298,6 @@ CASES: dict[str, Callable[..., Bad]] = {
         "config: engine.defer_text_fill",
         "an option of the torch backend, not trtllm",
     ),
-    "fp8_weight_only_decode_without_the_gemv": build(
-        ["--fp8-weight-only-decode"], "config: engine.fp8_weight_only_decode", "an option of the fused GEMV: needs engine.gemv"
-    ),
     "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),
     "unknown_precision": build(["--precision", "int4"], "config: engine", "unknown precision 'int4' (known: bf16, fp8)"),
     "precision_does_not_fit_checkpoint": build(

@@ -97,36 +97,6 @@ def test_fp8_parts_take_their_own_scale():
     assert torch.allclose(got.double(), (xq.double() * a.item()) @ deq.t(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("block", [(8, 64, 4), (4, 64, 4, 1), (2, 256, 4, 0, 1)])
-def test_fp8_weight_only_reads_x_unquantized_through_every_prologue(block):
-    """W8A16 (FP8 weight-only decode): x as it is, FP8 weights at each part's scale, with the
-    norm prologue and residual, the silu(gate) * up prologue, and the glu epilogue; each body."""
-    k, n = 200, 24
-    ws = torch.tensor([0.004, 0.01])
-    w = torch.randn(n, k)
-    w8 = torch.cat([fp8.quantize(w[: n // 2], ws[:1]), fp8.quantize(w[n // 2 :], ws[1:])])
-    deq = torch.cat([w8[: n // 2].float() * ws[0], w8[n // 2 :].float() * ws[1]])
-    x, g, r = torch.randn(1, k), torch.rand(k) + 0.5, torch.randn(1, n)
-    got = gemv.launch(x, w8, torch.float32, scale=ws, norm=g, eps=1e-6, residual=r, block=block)
-    assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), deq), atol=1e-5, rtol=1e-5)
-    # not W8A8: x quantized at any activation scale would be off by far more than that
-    xq = fp8.fake_quant(rms_norm(x, g, 1e-6), rms_norm(x, g, 1e-6).abs().amax().reshape(1) / fp8.FP8_MAX)
-    assert (got - r - F.linear(xq, deq)).abs().max() > 1e-3
-    gu = torch.randn(1, 2 * k)
-    got = gemv.launch(gu, w8, torch.float32, scale=ws, silu_mul=True, block=block)
-    assert torch.allclose(got, F.linear(F.silu(gu[:, :k]) * gu[:, k:], deq), atol=1e-5, rtol=1e-5)
-    gate, up = F.linear(x, deq).chunk(2, dim=-1)
-    got = gemv.launch(x, w8, torch.float32, scale=ws, glu=True, block=block)
-    assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
-    assert gemv.flags(True, False, False, w8a16=True) == "norm+w8a16"  # tuned apart from W8A8's blocks
-    # bf16 x: 1/rms on the float32 result, the normed x never rounded: exact but for y's rounding
-    xb = x.bfloat16()
-    got = gemv.launch(xb, w8, torch.bfloat16, scale=ws, norm=g.bfloat16(), eps=1e-6, block=block).double()
-    xd = xb.double()
-    exact = (xd * g.bfloat16().double()) @ deq.double().t() / (xd.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
-    assert ((got - exact).abs() <= ulp_bf16(exact) + 1e-6).all()  # one ulp: the interpreter truncates
-
-
 @pytest.mark.parametrize("block", [(4, 64, 4), (4, 64, 4, 1)])
 def test_glu_epilogue_is_silu_gate_times_up(block):
     """glu (bf16 gate_up, proj's input): w = [gate; up], the output silu(x @ gate^T) * (x @ up^T),
@@ -241,36 +211,3 @@ def test_fp8_fused_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir):
     for t in range(follow.shape[1]):
         (pt, pa), (ft, fa) = plain.decode(follow[:, t]), fused.decode(follow[:, t])
         assert (pt - ft).abs().max() < 1e-4 and (pa - fa).abs().max() < 1e-4
-
-
-def test_fp8_weight_only_decode_is_the_model_on_dequantized_weights(tiny_fp8_engine_dir, tiny_hf):
-    """FP8 weight-only decode against transformers running the same FP8 weights dequantized
-    (activations unquantized): a prompt of 3 positions (<= gemv.MAX_M rows, so the prefill
-    takes the GEMV too), then steps that switch modality; the FP8 GEMVs ran with x unquantized."""
-    from test_engine import assert_decode_matches_reference
-
-    from workflow.names import trt_to_hf
-    from workflow.reference import MossSpeechReference
-
-    _, spec, tensors = trtckpt.load_checkpoint(tiny_fp8_engine_dir)
-    deq = {}
-    for name, t in tensors.items():
-        if t.dtype == torch.float8_e4m3fn:
-            t = t.float() * tensors[name.removesuffix("weight") + "weights_scaling_factor"].float()
-        if not name.endswith("scaling_factor"):
-            deq[name] = t.float()
-    ref = MossSpeechReference(spec, trt_to_hf(deq, spec), torch.float32, "cpu")
-    _, engine = engines(tiny_fp8_engine_dir, gemv=True, decode_attention=True, fp8_weight_only_decode=True)
-    seen = set()  # (x's dtype, w's dtype) of each GEMV launch
-
-    class Seen:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda x, w, *a, **kw: seen.add((x.dtype, w.dtype)) or self.kernel[grid](x, w, *a, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemv, "_gemv", Seen(gemv._gemv))
-        assert_decode_matches_reference(engine, ref, batch=1, prompt_len=3, steps=6, seed=41)
-    assert seen == {(torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float32)}  # trunk; branches and heads

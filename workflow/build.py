@@ -44,9 +44,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--defer-text-fill", action="store_true", help="torch backend: audio mode leaves the text branch to the next text step"
     )
-    ap.add_argument(
-        "--fp8-weight-only-decode", action="store_true", help="torch backend, with --gemv: FP8 decode GEMVs read x unquantized"
-    )
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
     for flag, on, kernel in (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention)):
@@ -55,16 +52,9 @@ def main(argv: list[str] | None = None) -> None:
             raise InputError(where, f"{why}, not {args.backend} on {args.device}")
         if on and not kernel.available():
             raise InputError(f"config: engine.{flag}", "needs Triton, which is not installed (pip install triton)")
-    torch_only = {
-        "fp8_fast_accum": args.fp8_fast_accum,
-        "defer_text_fill": args.defer_text_fill,
-        "fp8_weight_only_decode": args.fp8_weight_only_decode,
-    }
-    for flag, on in torch_only.items():
+    for flag, on in (("fp8_fast_accum", args.fp8_fast_accum), ("defer_text_fill", args.defer_text_fill)):
         if on and args.backend != "torch":
             raise InputError(f"config: engine.{flag}", f"an option of the torch backend, not {args.backend}")
-    if args.fp8_weight_only_decode and not args.gemv:
-        raise InputError("config: engine.fp8_weight_only_decode", "an option of the fused GEMV: needs engine.gemv")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
@@ -86,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
             "decode_attention": args.decode_attention,
             "fp8_fast_accum": args.fp8_fast_accum,
             "defer_text_fill": args.defer_text_fill,
-            "fp8_weight_only_decode": args.fp8_weight_only_decode,
         },
         "spec": spec.to_dict(),
         "versions": versions(),

@@ -8,15 +8,11 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 
 - prologue: the input row's RMSNorm, recomputed by every program (x is a few KB; the weights
   are megabytes), rounded exactly as `linears.rms_norm` rounds; or silu(gate) * up from
-  gate_up's output (proj's input). FP8 weight-only (`LATE`) keeps only the norm's weight in
-  the prologue and puts 1/rms on the float32 result, its sum taken in the same pass over x:
-  no pre-pass over x in every program, and the normed x is not rounded to 16 bits (more
-  exact than rms_norm, not equal to it);
+  gate_up's output (proj's input);
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
-  W, x is either FP8-rounded (W8A8: the caller quantizes it with the calibrated scale, fused
-  by torch.compile into the op before) or 16-bit (weight-only: no quantize kernel, the
-  prologues as for bf16), and each part of W's rows (fc|gate: two) has its own scale, applied
-  as acc * scale[part], the arithmetic of torch._scaled_mm. Three bodies, a
+  x must already be FP8-rounded (the caller quantizes it with the calibrated scale, fused by
+  torch.compile into the op before), and each part of W's rows (fc|gate: two) has its own
+  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Three bodies, a
   tuning choice: reduce each [BLOCK_N, BLOCK_K] tile over K as it comes (a cross-thread sum
   per tile), or, for one row, keep the tile's float32 products as partial sums and reduce
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
@@ -24,7 +20,7 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   row and run the prologue once, then stride over column blocks (bf16 decode -0.06 ms on an
   H100: benchmarks/results/2026-11-22-h100-probe18);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
-  the same two roundings as `x + F.linear(...)`; or, `glu` (gate_up, not W8A8), silu(gate) * up: a
+  the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
   program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
   (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
   the two, it brought nothing: benchmarks/results/2026-11-22-h100-probe17).
@@ -80,11 +76,10 @@ def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]
     return ok + resident
 
 
-def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False, w8a16: bool = False) -> str:
+def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
     """The prologue and epilogue a call runs with: they change the best block shape (a norm
-    or silu prologue re-reads x in every program, so fewer, wider programs can win); w8a16: FP8
-    weights read against 16-bit x (weight-only), not FP8 x."""
-    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu), ("w8a16", w8a16))
+    or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
+    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu))
     return "+".join(name for name, on in named if on)
 
 
@@ -118,9 +113,9 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             continue
         copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
         act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
-        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(act if "w8a16" in on else w.dtype)
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
         args = {
-            "scale": torch.ones(2 if "glu" in on else 1, device=w.device) if nbytes == 1 else None,
+            "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
             "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
             "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
             "silu_mul": "silu" in on,
@@ -162,12 +157,8 @@ if triton is not None:
         return x, up
 
     @triton.jit
-    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM: tl.constexpr, SILU_MUL: tl.constexpr, LATE: tl.constexpr):
-        """x's tile through the prologue, as float32, rounded where the torch ops round; LATE:
-        the norm's weight only (1/rms comes after the dot, in `_store`)."""
-        if LATE:
-            g = tl.load(norm_ptr + rk, mask=k_ok, other=0.0)
-            return g.to(tl.float32)[None, :] * x.to(tl.float32)
+    def _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+        """x's tile through the prologue, as float32, rounded where the torch ops round."""
         if SILU_MUL:  # silu(gate) rounded to x's dtype, times up, rounded again
             gf = x.to(tl.float32)
             x = ((gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32) * up.to(tl.float32)).to(x.dtype)
@@ -176,6 +167,12 @@ if triton is not None:
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
             x = (g.to(tl.float32)[None, :] * xn.to(tl.float32)).to(x.dtype)
         return x.to(tl.float32)
+
+    @triton.jit
+    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+        """x's tile [M, BLOCK_K] loaded and through the prologue, as float32."""
+        x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
+        return _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
 
     @triton.jit
     def _rstd(x_ptr, rm, m_ok, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -228,19 +225,16 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, rstd,
-               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr,
-               LATE: tl.constexpr):  # fmt: skip
-        """The epilogue: (LATE: times each row's 1/rms, in float32) rounded to y's dtype; GLU:
-        silu(gate) * up, rounded as gate_up's output, silu's and the product are; then the
-        residual added and rounded again."""
+    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part,
+               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr):  # fmt: skip
+        """The epilogue: rounded to y's dtype; GLU: silu(gate) * up, rounded as gate_up's output,
+        silu's and the product are; then the residual added and rounded again."""
         out_ptrs = rm[:, None] * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         dt = y_ptr.dtype.element_ty
-        r = rstd[:, None] if LATE else 1.0
-        y = (_finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE) * r).to(dt)
+        y = _finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
         if GLU:
-            u = (_finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE) * r).to(dt)
+            u = _finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
             gf = y.to(tl.float32)
             y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
         if HAS_RES:
@@ -254,7 +248,7 @@ if triton is not None:
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, LATE: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
@@ -267,7 +261,7 @@ if triton is not None:
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
                 rstd = _inv_rms(_sum_sq(x), eps, K)
-            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL, LATE)
+            xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
                 w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
@@ -276,10 +270,9 @@ if triton is not None:
                 if GLU:
                     acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
                 n_ok = rn < N
-                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, rstd,
-                       HAS_RES, HAS_SCALE, GLU, False, LATE)  # fmt: skip
+                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
         else:
-            if NORM and not LATE:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
+            if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
                 rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
             else:
                 rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -290,22 +283,15 @@ if triton is not None:
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc2 = acc  # GLU's second half (up)
-            ss = tl.zeros((BLOCK_M,), tl.float32)  # LATE: the norm's sums of squares, in the same pass
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = rk < K
-                x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
-                if LATE:
-                    ss += _sum_sq(x)
-                xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL, LATE)
+                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
                 w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = _accumulate(acc, xf, w, DEFER)
                 if GLU:
                     acc2 = _accumulate(acc2, xf, w2, DEFER)
-            if LATE:
-                rstd = _inv_rms(ss, eps, K)
-            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, rstd,
-                   HAS_RES, HAS_SCALE, GLU, DEFER, LATE)  # fmt: skip
+            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, DEFER)
 
 
 def launch(
@@ -335,8 +321,7 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    w8a16 = w.element_size() == 1 and x.element_size() > 1
-    fl = flags(norm is not None, silu_mul, residual is not None, glu, w8a16)
+    fl = flags(norm is not None, silu_mul, residual is not None, glu)
     block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
     if per_sm and block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
@@ -350,7 +335,7 @@ def launch(
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), LATE=norm is not None and w8a16,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)

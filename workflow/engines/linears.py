@@ -5,14 +5,6 @@ a residual add after. For many rows (prefill, batched decode) that is torch ops 
 (or torch._scaled_mm for the FP8 trunk); for a few rows, with `fused`, one call of our Triton
 GEMV (workflow.engines.gemv). The checkpoint's fc (SiLU side) and gate (up) are fused into one
 gate_up = [fc; gate] weight, FP8 scales kept per part.
-
-FP8 in the GEMV, two ways. W8A8 (the default): x quantized with the calibrated activation
-scale, as the GEMMs do, so decode computes the function prefill does; a quantize kernel runs
-before each of qkv, gate_up and proj (three a layer). Weight-only (`weight_only`, W8A16): x
-stays in the compute dtype and the kernel dequantizes the FP8 weights in registers, so a layer
-runs the kernels of a bf16 one, reading half the bytes; decode is then closer to the bf16
-model than prefill is, not the same function (the activation scales still serve prefill and
-batches over gemv.MAX_M rows).
 """
 
 from __future__ import annotations
@@ -45,8 +37,7 @@ class LinearArgs(NamedTuple):
     emulation) FP8 dequantized; a_scale: FP8's activation scale; w_scale: the GEMM's weight
     scale, part_scale: each part's own weight scale over it (fused parts only), fast_accum:
     cuBLASLt's FP8 fast accumulation; fp8_weight and out_scale (a_scale x w_scale per part):
-    what the FP8 GEMV reads; weight_scales (each part's weight scale) and weight_only: the GEMV
-    reads the FP8 weight against unquantized x (W8A16)."""
+    what the FP8 GEMV reads."""
 
     weight: torch.Tensor
     a_scale: torch.Tensor | None = None
@@ -55,8 +46,6 @@ class LinearArgs(NamedTuple):
     fast_accum: bool = False
     fp8_weight: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
-    weight_scales: torch.Tensor | None = None
-    weight_only: bool = False
 
 
 def linear(x: torch.Tensor, lin: LinearArgs) -> torch.Tensor:
@@ -94,16 +83,14 @@ def project(
 ) -> torch.Tensor:
     """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
     silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
-    kernel does it all; FP8 (W8A8) quantizes x first (the prologue then runs here, fused by
-    compile), unless x arrives quantized (float8: dense's input, from decode attention); FP8
-    weight-only reads the FP8 weight at its part scales against x as it is. glu (fused path,
-    not W8A8): lin is gate_up, and the output is silu(gate) * up."""
+    kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile),
+    unless x arrives quantized (float8: dense's input, from decode attention). glu (fused bf16
+    or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
     if gemv_path(x, fused):
-        if lin.a_scale is None or lin.weight_only:
-            w, scale = (lin.weight, None) if lin.a_scale is None else (lin.fp8_weight, lin.weight_scales)
-            return gemv.gemv(x, w, x.dtype, scale=scale, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
+        if lin.a_scale is None:
+            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
         if glu:
-            raise ValueError("project: glu is for bf16 / float32 weights or FP8 weight-only")
+            raise ValueError("project: glu is for bf16 / float32 weights")
         if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
             return gemv.gemv(x, lin.fp8_weight, residual.dtype, scale=lin.out_scale, residual=residual)
         xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
@@ -142,20 +129,13 @@ class Linear(nn.Module):
 
 class Fp8Linear(Linear):
     """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`);
-    w_scale has one entry per part of the rows (fc|gate: two). weight_only: the fused GEMV
-    (decode) computes x @ (fp8(W) * w)^T instead (see the module's docstring)."""
+    w_scale has one entry per part of the rows (fc|gate: two)."""
 
     def __init__(
-        self,
-        weight: torch.Tensor,
-        w_scale: torch.Tensor,
-        a_scale: torch.Tensor,
-        dtype: torch.dtype,
-        fast_accum: bool = False,
-        weight_only: bool = False,
+        self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype, fast_accum: bool = False
     ):
         nn.Module.__init__(self)
-        self.fast_accum, self.weight_only = fast_accum, weight_only
+        self.fast_accum = fast_accum
         self.register_buffer("weight", weight)
         self.register_buffer("w_scale", w_scale.float().reshape(-1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
@@ -171,31 +151,21 @@ class Fp8Linear(Linear):
 
     def args(self) -> LinearArgs:
         if self.w_deq is not None:  # CPU: exact emulation through the dequantized weight
-            return LinearArgs(
-                self.w_deq, self.a_scale, fp8_weight=self.weight, out_scale=self.out_scale,
-                weight_scales=self.w_scale, weight_only=self.weight_only,
-            )  # fmt: skip
+            return LinearArgs(self.w_deq, self.a_scale, fp8_weight=self.weight, out_scale=self.out_scale)
         return self.gemm_args()
 
     def gemm_args(self) -> LinearArgs:
         """What the FP8 GEMM (torch._scaled_mm) reads: CUDA's path, also runnable on CPU."""
         return LinearArgs(
-            self.weight, self.a_scale, self.gemm_scale, self.part_scale, self.fast_accum, self.weight, self.out_scale,
-            self.w_scale, self.weight_only,
-        )  # fmt: skip
+            self.weight, self.a_scale, self.gemm_scale, self.part_scale, self.fast_accum, self.weight, self.out_scale
+        )
 
 
 def layer_linears(
-    tensors: dict[str, torch.Tensor],
-    prefix: str,
-    dtype: torch.dtype,
-    device: str,
-    fast_accum: bool = False,
-    weight_only: bool = False,
+    tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str, fast_accum: bool = False
 ) -> dict[str, nn.Module]:
     """The layer's linear modules; fc (SiLU side) and gate (up) fused as gate_up = [fc; gate].
-    fast_accum: FP8 GEMMs accumulate the fast way; weight_only: FP8 decode GEMVs read x
-    unquantized (see EngineOptions)."""
+    fast_accum: FP8 GEMMs accumulate the fast way (see EngineOptions)."""
 
     def weight(name: str) -> torch.Tensor:
         return tensors[f"{prefix}{name}.weight"].to(device)
@@ -211,12 +181,11 @@ def layer_linears(
             tensors[f"{prefix}{name}.activation_scaling_factor"].to(device),
         )
 
-    fp8 = {"dtype": dtype, "fast_accum": fast_accum, "weight_only": weight_only}
-    out = {n: Fp8Linear(weight(n), *scales(n), **fp8) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
+    out = {n: Fp8Linear(weight(n), *scales(n), dtype, fast_accum) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
     (w_fc, a_fc), (w_gate, a_gate) = scales("mlp.fc"), scales("mlp.gate")
     w_scale = torch.cat([w_fc.reshape(1), w_gate.reshape(1)])
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
     gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
-    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), **fp8)
+    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum)
     return out

@@ -57,7 +57,6 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
     defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
-    fp8_weight_only_decode: bool = False  # FP8 trunk, with gemv: decode's GEMVs read x unquantized (W8A16), no quantize kernels
 
 
 def layer_step(
@@ -84,15 +83,14 @@ def layer_step(
     otherwise attend to the first mask.shape[-1] cached positions where mask is True.
     norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV;
     fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
-    glu: with the fused GEMV and bf16 weights (or FP8 weight-only), gate_up's ends in
-    silu(gate) * up, so proj's programs read x once, not [gate | up] each (W8A8 keeps the
-    quantize kernel between them: there the epilogue cost more than the kernel it saves, probe
-    17)."""
+    glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
+    programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
+    there the epilogue cost more than the kernel it saves, probe 17)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps)
     if fused_attention and mask is not None and t == 1:
-        fp8_in = dense.a_scale is not None and not dense.weight_only and gemv_path(x, fused)  # as dense's GEMV reads it
+        fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
             qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
             quant=dense.a_scale if fp8_in else None,
@@ -115,7 +113,7 @@ def layer_step(
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
     h = project(y, dense, fused, residual=x)
-    glu = glu and gemv_path(h, fused) and (gate_up.a_scale is None or gate_up.weight_only)
+    glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
     act = project(h, gate_up, fused, norms[1], eps, glu=glu)
     return project(act, proj, fused, residual=h, silu_mul=not glu)
 
@@ -178,9 +176,7 @@ class TorchEngine(Engine, nn.Module):
         self.layers = nn.ModuleList(
             Layer(
                 spec,
-                layer_linears(
-                    tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum, options.fp8_weight_only_decode
-                ),
+                layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
                 (options.gemv, options.decode_attention, options.gemv),
@@ -219,11 +215,10 @@ class TorchEngine(Engine, nn.Module):
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
-        (see `layer_step` and `project`: W8A8 inputs arrive normed and quantized)."""
+        (see `layer_step` and `project`: FP8 inputs arrive normed and quantized)."""
         uses = []
         for layer in self.layers:
-            gate_up = layer.gate_up.args()
-            glu = layer.fused[2] and (gate_up.a_scale is None or gate_up.weight_only)  # as layer_step decides
+            glu = layer.fused[2]
             for lin, norm, silu, res in (
                 (layer.qkv, True, False, False),
                 (layer.dense, False, False, True),
@@ -231,10 +226,9 @@ class TorchEngine(Engine, nn.Module):
                 (layer.proj, False, not glu, True),
             ):
                 a = lin.args()
-                w8a16 = a.a_scale is not None and a.weight_only
-                plain = a.a_scale is None or w8a16  # x as it is: the prologues run in the GEMV
-                w = a.weight if a.a_scale is None else a.fp8_weight
-                uses.append((w, gemv.flags(norm and plain, silu and plain, res, glu and lin is layer.gate_up, w8a16)))
+                bf16 = a.a_scale is None
+                w = a.weight if bf16 else a.fp8_weight
+                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res, glu and bf16 and lin is layer.gate_up)))
         return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
     def forward_tokens(
