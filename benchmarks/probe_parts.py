@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from workflow import roofline, traffic
+from workflow.benchmark import microbench
 from workflow.generate import Ids, Sampling
 from workflow.stream import SECONDS_PER_TOKEN, check_stream, device_clock, run_stream
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
@@ -164,11 +165,12 @@ def interleaved_ab(engine, ids: Ids, dev: torch.device, settings: dict[str, Call
     return out
 
 
-def defer_fill_ab(engine, ids: Ids, dev: torch.device, owed: int = LOOP["num_tokens"], repeat: int = 5) -> dict:
+def defer_fill_ab(engine, ids: Ids, dev: torch.device, owed: int = LOOP["num_tokens"], repeat: int = 20) -> dict:
     """The text branch deferred to the next text-mode step (audio steps read none of its
     weights) against filled in step; then, for each, what the first text-mode step after `owed`
     audio steps costs (the deferred catch-up included), and a text-mode step with nothing owed,
-    medians in ms (probe 22; the late fill it replaced was measured against both there)."""
+    medians in ms, as the benchmark times them (`microbench`: repeat 20 times 5 replies after
+    one warming up; probe 22; the late fill it replaced was measured against both there)."""
     from workflow.cudagraphs import Graphs
 
     def setting(defer: bool) -> Callable[[], None]:
@@ -184,19 +186,11 @@ def defer_fill_ab(engine, ids: Ids, dev: torch.device, owed: int = LOOP["num_tok
     out = interleaved_ab(engine, ids, dev, settings)
     if dev.type != "cuda":
         return out
-    prompt = traffic.speech_prompt(1, 512, ids, seed=0)
-    audio, text = torch.tensor([[ids.pad, 100]]), torch.tensor([[100, ids.audio_pad]])
     for name, apply in settings.items():
         apply()
-        after, plain = [], []
-        for _ in range(repeat + 1):
-            engine.prefill(prompt)
-            for _ in range(owed):
-                engine.decode(audio, need_text=False)
-            after += roofline.timed_ms(lambda: engine.decode(text, need_text=True), dev, 1, warmup=0)
-            plain += roofline.timed_ms(lambda: engine.decode(text, need_text=True), dev, 1, warmup=0)
-        out[f"{name}_text_after_{owed}_audio_ms"] = roofline.median(after[1:])
-        out[f"{name}_text_step_ms"] = roofline.median(plain[1:])
+        micro = microbench(engine, 512, ids, repeat, reply_len=owed)  # the benchmark's own timing of it
+        out[f"{name}_text_after_{owed}_audio_ms"] = micro["decode_text_after_reply_ms"]["p50"]
+        out[f"{name}_text_step_ms"] = micro["decode_text_mode_ms"]["p50"]
     settings["deferred"]()
     return out
 

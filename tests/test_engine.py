@@ -155,12 +155,13 @@ def test_deferred_text_fill_skips_the_text_branch_then_catches_up(tiny_engine_di
     are not read), and the first text-mode step fills every owed position with what in-step
     filling writes; the other caches are never affected. room: positions left in the cache
     after the prompt (6: too few to pad the catch-up's rows, which then run as they are)."""
-    ids = Ids.of(load_engine(tiny_engine_dir).spec)
-    n = 20 if room is None else load_engine(tiny_engine_dir).max_seq_len - room
+    first = load_engine(tiny_engine_dir)
+    ids = Ids.of(first.spec)
+    n = 20 if room is None else first.max_seq_len - room
     prompts, follow = traffic.batch(2, n, ids, seed=23), traffic.batch(2, 6, ids, seed=24)
     engines = {}
     for defer in (False, True):
-        e = engines[defer] = load_engine(tiny_engine_dir)
+        e = engines[defer] = first if not defer else load_engine(tiny_engine_dir)
         e.defer_text_fill = defer
         e.prefill(prompts)
         for layer in e.layers:

@@ -244,7 +244,7 @@ class TorchEngine(Engine, nn.Module):
         kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions.
         hold: no text branch, the trunk output kept in `held` at pos for `_catch_up_text`."""
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = None if kv_len is None else torch.arange(kv_len, device=tokens.device)[None, :] <= pos[:, None]
+        mask = None if kv_len is None else attention_mask(pos, kv_len)
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
         b = x.shape[0]
         for layer in self.trunk:
@@ -285,9 +285,8 @@ class TorchEngine(Engine, nn.Module):
 
         def fill() -> torch.Tensor:
             pos = self.catch_up_pos[:rows]
-            mask = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]
             x = self.held[:b].index_select(1, pos)
-            return self._text_branch(x, self.cos[pos], self.sin[pos], pos, mask, layer_step)
+            return self._text_branch(x, self.cos[pos], self.sin[pos], pos, attention_mask(pos, kv_len), layer_step)
 
         if self.use_graphs:
             self.graphs.run(("catch-up", b, rows, kv_len), fill)
@@ -348,6 +347,12 @@ class TorchEngine(Engine, nn.Module):
         key = (shape, *args)
         text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, *args))
         return (None if text is None else text.clone()), audio.clone()
+
+
+def attention_mask(pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[T, kv_len]: which of the first kv_len cached positions each of the positions pos attends
+    to (itself and those before it), made on the device so that a graph replays it."""
+    return torch.arange(kv_len, device=pos.device)[None, :] <= pos[:, None]
 
 
 def kv_bucket(length: int, max_seq_len: int) -> int:
