@@ -1,0 +1,165 @@
+"""Probe 25: two tactic studies at the full shape, outside the engine (no checkpoint, no wheels).
+
+- FP8 prefill GEMMs, M = 512 rows, the four trunk shapes: cuBLASLt through torch._scaled_mm
+  (as the engine calls it: x @ W^T, fast accumulation), the same product computed transposed
+  (W @ x^T, so cuBLASLt sees M = N and N = 512), and inductor's max-autotune choice between
+  its Triton templates and cuBLAS; bf16 F.linear beside them. Weights are read from HBM every
+  call (do_bench flushes L2), as in a prefill.
+- Decode attention at batch 1 (workflow.engines.attention.decode_attention): splits, BLOCK_S
+  and warps, 36 layers' calls back to back in a CUDA graph, each with its own cache (the step's
+  L2 behaviour), per kv bucket; bf16 output and FP8 (dense's input quantized in the kernel).
+
+Usage (on the GPU machine, repository root): python3 benchmarks/probe_shapes.py --out $OUT/shapes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 12288
+SHAPES = {  # name: (N, K) of the trunk's linears
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "dense": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "proj": (HIDDEN, INTER),
+}
+
+
+def bench_us(fn, rep: int = 300) -> float:
+    from triton.testing import do_bench
+
+    return 1e3 * do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def gemms(m: int, say) -> dict:
+    """Each trunk shape's product of m rows, several ways (us and TFLOP/s)."""
+    dev, out = torch.device("cuda"), {}
+    one = torch.ones(1, device=dev)
+    for name, (n, k) in SHAPES.items():
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+
+        def plain(xq=xq, wq=wq):
+            return torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+        def transposed(xq=xq, wq=wq):
+            return torch._scaled_mm(wq, xq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+        def transposed_back(xq=xq, wq=wq):
+            return transposed(xq, wq).t().contiguous()
+
+        torch._dynamo.reset()
+        tuned = torch.compile(plain, options={"max_autotune": True, "max_autotune_gemm_backends": "TRITON,ATEN"})
+        t0 = time.perf_counter()
+        ref = plain().float()
+        err = (tuned().float() - ref).abs().max().item() / ref.abs().max().item()
+        compile_s = time.perf_counter() - t0
+        assert (transposed().t().float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+        row = {
+            "bf16_linear": bench_us(lambda x=x, w=w: F.linear(x, w)),
+            "fp8_plain": bench_us(plain),
+            "fp8_transposed": bench_us(transposed),
+            "fp8_transposed_back": bench_us(transposed_back),
+            "fp8_max_autotune": bench_us(tuned),
+            "max_autotune_compile_s": compile_s,
+            "max_autotune_rel_err": err,
+        }
+        flop = 2 * m * n * k
+        row["tflops"] = {key: flop / v / 1e6 for key, v in row.items() if key.startswith(("bf16", "fp8"))}
+        out[name] = row
+        say(f"gemm {name} m={m} n={n} k={k}: " + ", ".join(f"{key} {v:.1f}" for key, v in row.items() if key != "tflops"))
+    return out
+
+
+def attention_configs(kv_len: int, quant: bool, say, only: list[str] | None = None, layers: int = 36) -> dict:
+    """Per-call time of decode attention at batch 1 over a kv bucket, every config (or those in
+    `only`), 36 calls (each its own cache) replayed from one CUDA graph. Keys:
+    s{splits}_b{BLOCK_S}_w{warps}_v{EARLY_V}."""
+    from workflow.engines import attention
+
+    dev, d, width = torch.device("cuda"), HEAD_DIM, (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    seq = max(1024, kv_len)
+    qkv = torch.randn(1, 1, width, device=dev, dtype=torch.bfloat16)
+    norms = torch.ones(d, device=dev, dtype=torch.bfloat16)
+    cos, sin = torch.ones(1, d, device=dev, dtype=torch.bfloat16), torch.zeros(1, d, device=dev, dtype=torch.bfloat16)
+    caches = [torch.randn(2, 1, KV_HEADS, seq, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    pos = torch.tensor([kv_len - 100], device=dev)
+    scale = torch.ones(1, device=dev) if quant else None
+    out, ref = {}, None
+    for splits, block_s, warps, early in itertools.product((1, 2, 4, 8, 16), (32, 64, 128), (4, 8), (0, 1)):
+        key = f"s{splits}_b{block_s}_w{warps}_v{early}"
+        if only is not None and key not in only:
+            continue
+        if splits * block_s > kv_len * 2 or (splits > 1 and kv_len // splits < block_s // 2):
+            continue
+        attention.EARLY_V = bool(early)
+
+        def calls(splits=splits, block_s=block_s, warps=warps):
+            return [
+                attention.decode_attention(
+                    qkv, norms, norms, cos, sin, c[0], c[1], pos, kv_len, 1e-6, splits, block_s, warps, scale
+                )
+                for c in caches
+            ]
+
+        try:
+            y = calls()[0].float()
+            torch.cuda.synchronize()
+        except Exception as e:  # a config Triton cannot build (registers, shared memory)
+            say(f"attn kv {kv_len} s{splits} b{block_s} w{warps}: {type(e).__name__}")
+            continue
+        ref = y if ref is None else ref
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        us = bench_us(g.replay, rep=100) / layers
+        out[key] = {"us": us, "max_diff": (y - ref).abs().max().item()}
+    best = min(out, key=lambda k: out[k]["us"])
+    attention.EARLY_V = False
+    default = f"s{attention.choose_splits(1, KV_HEADS, kv_len, dev)}_b{attention.BLOCK_S}_w{attention.NUM_WARPS}_v0"
+    say(f"attn kv {kv_len} quant {quant}: default {default} {out.get(default, {}).get('us', float('nan')):.2f} us, "
+        f"best {best} {out[best]['us']:.2f} us")  # fmt: skip
+    return {"configs": out, "best": best, "default": default}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-gemm", action="store_true")
+    args = ap.parse_args()
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    result["commit"] = os.environ.get("MOSSBUILD_COMMIT", "unknown")
+
+    def save() -> None:  # after each part: a call cut at its time limit keeps what it measured
+        result["lines"] = lines
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    att = result["attention"] = {}
+    for kv in (640, 1024):
+        att[f"{kv}_bf16"] = a = attention_configs(kv, False, say)
+        ranked = sorted(a["configs"], key=lambda k: a["configs"][k]["us"])
+        att[f"{kv}_fp8"] = attention_configs(kv, True, say, only=[*ranked[:4], a["default"]])
+        save()
+        if kv == 640 and not args.skip_gemm:
+            result["gemm_m512"] = gemms(512, say)
+            save()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
