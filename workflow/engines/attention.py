@@ -41,7 +41,6 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
-EARLY_V = False  # probe 25: load a block's V beside its K (before the scores), not after the softmax
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -79,7 +78,7 @@ if triton is not None:
         qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr, QUANT: tl.constexpr, EARLY_V: tl.constexpr = False,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
@@ -114,15 +113,12 @@ if triton is not None:
             kt = kc + s[None, :] * c_ss + d2[:, None]
             k1t = tl.load(kt, mask=ok[None, :], other=0.0)
             k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
-            if EARLY_V:
-                v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
             qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
             qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
-            if not EARLY_V:
-                v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -215,7 +211,7 @@ def launch(
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
         H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        QUANT=quant is not None, EARLY_V=EARLY_V, num_warps=num_warps,
+        QUANT=quant is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _combine[(b, h)](
