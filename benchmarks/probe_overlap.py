@@ -31,7 +31,7 @@ import triton.language as tl
 
 N = K = 4096
 LAYERS = 36
-SPIN_LIMIT = 1 << 22
+SPIN_LIMIT = tl.constexpr(1 << 22)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
@@ -83,12 +83,12 @@ def _pair(
     if DO_GEMV:
         acc = tl.zeros((ROWS,), tl.float32)
         if PRE_K > 0:
-            xp = tl.load(x_ptr + kp, volatile=True)
+            xp = tl.load(x_ptr + kp, cache_modifier=".cg")
             acc += tl.sum(w_pre.to(tl.float32) * xp.to(tl.float32)[None, :], axis=1)
         if PRE_K < K:
             kr = PRE_K + tl.arange(0, K - PRE_K)
             w_rest = tl.load(w_ptr + r[:, None] * K + kr[None, :])
-            xr = tl.load(x_ptr + kr, volatile=True)
+            xr = tl.load(x_ptr + kr, cache_modifier=".cg")
             acc += tl.sum(w_rest.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
         tl.store(y_ptr + r, acc)
 
