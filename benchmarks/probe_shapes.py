@@ -183,7 +183,7 @@ def fused_attention_dense(kv_len: int, say, layers: int = 36) -> dict:
                 g.replay()
                 torch.cuda.synchronize()
                 row[f"{label}_us"] = bench_us(g.replay, rep=200) / layers
-            row.update(max_diff=diff, chosen=[list(v) for v in attn_dense._CHOSEN.values() if v], timeouts=attn_dense.errors(dev))
+            row.update(max_diff=diff, tried=attn_dense.TRIED, timeouts=attn_dense.errors(dev))
         except Exception as e:
             row["failed"] = f"{type(e).__name__}: {str(e)[:1500]}"
         out[name] = row

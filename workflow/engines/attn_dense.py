@@ -12,9 +12,9 @@ this took 4 us a layer off the two kernels it replaces, FP8 and bf16 (probe 26).
 A grid barrier needs every program resident at once. `launch` compiles the kernel first and
 takes the first of SHAPES whose grid the GPU can hold (its registers decide), or refuses,
 rather than risk a hang; a barrier that still never opened ends after SPIN_LIMIT polls and
-counts itself in `errors(device)`, which verify and the benchmark read. The barrier's counters
-(one pair a device: launches on one stream never overlap) reset themselves, so a CUDA graph
-replays it as is. Triton's interpreter (no GPU) runs programs one after another, where a
+counts itself in `errors(device)`, which verify reads. The barrier's counters (one pair a
+device: launches on one stream never overlap) count up through a launch and are zeroed by its
+last program, so a CUDA graph replays it as is. Triton's interpreter (no GPU) runs programs one after another, where a
 barrier would wait forever: there each phase is its own launch of the same kernel.
 """
 
@@ -38,6 +38,7 @@ except ImportError:  # the engine works without it
 SHAPES = ((16, 8, 2, 64 << 10), (32, 16, 1, 128 << 10))
 _STATE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (barrier counters, barrier timeouts)
 _CHOSEN: dict[tuple, tuple[int, int, int] | None] = {}  # compile-time arguments -> (rows, warps, bytes) or None
+TRIED: list[dict] = []  # each program shape tried on a GPU: its registers and whether its grid was resident
 
 
 def available() -> bool:
@@ -61,19 +62,24 @@ if triton is not None:
     SPIN_LIMIT = tl.constexpr(1 << 22)  # polls before a barrier gives up (seconds: never, if all programs run)
 
     @triton.jit
-    def grid_barrier(bar_ptr, nprog, err_ptr):
-        """Every program waits here until all nprog have arrived. bar[0] counts arrivals, bar[1]
-        departures; the last program out resets both, so the next launch finds zeros."""
+    def grid_barrier(bar_ptr, target, err_ptr):
+        """Wait until bar[0] counts target arrivals: the k-th barrier of a launch of nprog programs
+        waits for k * nprog (a count reset between two barriers could erase an early arrival)."""
         tl.debug_barrier()  # the program's stores are done (bar.sync); the release below publishes them
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
         n = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         spins = 0
-        while (n < nprog) & (spins < SPIN_LIMIT):
+        while (n < target) & (spins < SPIN_LIMIT):
             n = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
             spins += 1
         if spins >= SPIN_LIMIT:
             tl.atomic_add(err_ptr, 1)
         tl.debug_barrier()
+
+    @triton.jit
+    def barrier_reset(bar_ptr, nprog):
+        """After a launch's last barrier: the last program past it zeroes the counters, so the
+        next launch (stream order: after this one ends) finds zeros."""
         if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
             tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
@@ -163,7 +169,8 @@ if triton is not None:
                 if pid < H:
                     attention._combine_head(pid, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, D, SPLITS, SP, ACT, QUANT)
         if BARRIER:
-            grid_barrier(bar_ptr, nprog, err_ptr)
+            grid_barrier(bar_ptr, nprog * (1 + (SPLITS > 1)), err_ptr)
+            barrier_reset(bar_ptr, nprog)
 
     @triton.jit
     def _tile(w_ptr, rn, rk, N, K: tl.constexpr, EVEN: tl.constexpr):
@@ -258,7 +265,9 @@ def launch(
                 *args, **consts(rows, pre_bytes), PHASES=7, BARRIER=True, num_warps=warps, grid=grid(rows)
             )
             kernel._init_handles()
-            if grid(rows)[0] <= per_sm * sms and resident(kernel, qkv.device, per_sm):
+            ok = grid(rows)[0] <= per_sm * sms and resident(kernel, qkv.device, per_sm)
+            TRIED.append({"rows": rows, "warps": warps, "per_sm": per_sm, "registers": kernel.n_regs, "resident": ok})
+            if ok:
                 _CHOSEN[key] = (rows, warps, pre_bytes)
                 break
     if _CHOSEN[key] is None:
