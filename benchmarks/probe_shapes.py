@@ -167,15 +167,17 @@ def fused_attention_dense(kv_len: int, say, layers: int = 36) -> dict:
             y = attention.decode_attention(qkv, norms, norms, cos, sin, *caches[i], pos, kv_len, 1e-6, quant=a_scale)
             return gemv.gemv(y, ws[i], torch.bfloat16, scale=scale, residual=res)
 
-        def one(i, ws=ws, a_scale=a_scale, scale=scale):
-            return attn_dense.attention_dense(
-                qkv, norms, norms, cos, sin, *caches[i], pos, kv_len, 1e-6, ws[i], res, scale, a_scale
+        def fused(splits: int, ws=ws, a_scale=a_scale, scale=scale):
+            return lambda layer: attn_dense.attention_dense(
+                qkv, norms, norms, cos, sin, *caches[layer], pos, kv_len, 1e-6, ws[layer], res, scale, a_scale, splits
             )
 
         row = {}
         try:
+            one = fused(0)
             diff = max((one(i).float() - two(i).float()).abs().max().item() for i in range(layers))
-            for label, fn in (("two_kernels", two), ("fused", one)):
+            variants = [("two_kernels", two), ("fused", one)] + [(f"fused_s{sp}", fused(sp)) for sp in (1, 2, 4)]
+            for label, fn in variants:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     for i in range(layers):
@@ -213,7 +215,7 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     if args.fused_only:
-        result["attention_dense"] = {kv: fused_attention_dense(kv, say) for kv in (640, 1024)}
+        result["attention_dense"] = {kv: fused_attention_dense(kv, say) for kv in (640,)}
         save()
         print("\n".join(lines))
         return
