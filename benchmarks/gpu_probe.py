@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.probe_parts import (
     call_split,
     defer_fill_ab,
-    dense_ab,
     glu_ab,
     kernel_summary,
     loop,
@@ -263,7 +262,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split, "adab": dense_ab}
+    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -296,8 +295,7 @@ def main() -> None:
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), "
         "defer (the text branch deferred to the next text-mode step), "
-        "ad (attention and dense as one persistent kernel), "
-        "deferab / gluab / resab / adab (decode A/Bs: deferred text fill, GLU, resident GEMV, attention + dense), "
+        "deferab / gluab / resab (decode A/Bs: deferred text fill, GLU, resident GEMV), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
@@ -356,7 +354,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            defer_text_fill="defer" in words, attention_dense="ad" in words,
+            defer_text_fill="defer" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

@@ -206,7 +206,7 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
         def apply() -> None:
             for layer in engine.layers:
-                layer.fused = (*layer.fused[:2], glu, *layer.fused[3:])
+                layer.fused = (*layer.fused[:2], glu)
             engine.graphs = graphs
 
         return apply
@@ -243,29 +243,6 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     out = interleaved_ab(engine, ids, dev, {"resident": setting(with_resident), "tiled": setting(without)})
     out["tuned_us"] = {k: [round(1000 * (timed_with[k] or 0), 1), round(1000 * (timed_without[k] or 0), 1)] for k in timed_with}
     out["blocks"] = {k: [with_resident.get(k), without.get(k)] for k in engine.gemv_blocks}
-    return out
-
-
-def dense_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """Attention and dense's GEMV as one persistent kernel (engine.attention_dense: dense's
-    weights stream into registers while attention runs) against the two kernels (probe 27);
-    and the barrier's timeouts (0, or the fused logits are not to be trusted)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import attn_dense
-
-    def setting(on: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            for layer in engine.layers:
-                layer.fused = (*layer.fused[:3], on)
-            engine.graphs = graphs
-
-        return apply
-
-    attn_dense.state(dev)
-    out = interleaved_ab(engine, ids, dev, {"fused": setting(True), "two_kernels": setting(False)})
-    out["barrier_timeouts"] = attn_dense.errors(dev)
     return out
 
 

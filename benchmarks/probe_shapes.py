@@ -140,65 +140,11 @@ def attention_configs(kv_len: int, quant: bool, say, only: list[str] | None = No
     return {"configs": out, "best": best, "default": default}
 
 
-def fused_attention_dense(kv_len: int, say, layers: int = 36) -> dict:
-    """Decode attention then dense's GEMV (tuned, residual added) against workflow.engines.
-    attn_dense's one kernel, bf16 and FP8, 36 layers (each its own caches and weight) replayed
-    from one CUDA graph: us a layer, the largest difference, the program shape chosen and the
-    barrier's timeouts (probe 27)."""
-    from workflow.engines import attention, attn_dense, gemv
-
-    dev, d, width = torch.device("cuda"), HEAD_DIM, (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    qkv = torch.randn(1, 1, width, device=dev, dtype=torch.bfloat16)
-    norms = torch.ones(d, device=dev, dtype=torch.bfloat16)
-    cos, sin = torch.ones(1, d, device=dev, dtype=torch.bfloat16), torch.zeros(1, d, device=dev, dtype=torch.bfloat16)
-    caches = [torch.randn(2, 1, KV_HEADS, 1024, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
-    pos, res = torch.tensor([kv_len - 100], device=dev), torch.randn(1, 1, HIDDEN, device=dev, dtype=torch.bfloat16)
-    out = {}
-    for name in ("bf16", "fp8"):
-        fp8 = name == "fp8"
-        ws = [
-            torch.randn(HIDDEN, HEADS * d, device=dev).to(torch.float8_e4m3fn if fp8 else torch.bfloat16) for _ in range(layers)
-        ]
-        a_scale = torch.full((1,), 0.05, device=dev) if fp8 else None
-        scale = torch.full((1,), 0.05 * 0.01, device=dev) if fp8 else None
-        gemv.tune([(ws[0], gemv.flags(False, False, True))])
-
-        def two(i, ws=ws, a_scale=a_scale, scale=scale):
-            y = attention.decode_attention(qkv, norms, norms, cos, sin, *caches[i], pos, kv_len, 1e-6, quant=a_scale)
-            return gemv.gemv(y, ws[i], torch.bfloat16, scale=scale, residual=res)
-
-        def fused(splits: int, ws=ws, a_scale=a_scale, scale=scale):
-            return lambda layer: attn_dense.attention_dense(
-                qkv, norms, norms, cos, sin, *caches[layer], pos, kv_len, 1e-6, ws[layer], res, scale, a_scale, splits
-            )
-
-        row = {}
-        try:
-            one = fused(0)
-            diff = max((one(i).float() - two(i).float()).abs().max().item() for i in range(layers))
-            variants = [("two_kernels", two), ("fused", one)] + [(f"fused_s{sp}", fused(sp)) for sp in (1, 2, 4)]
-            for label, fn in variants:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for i in range(layers):
-                        fn(i)
-                g.replay()
-                torch.cuda.synchronize()
-                row[f"{label}_us"] = bench_us(g.replay, rep=200) / layers
-            row.update(max_diff=diff, tried=attn_dense.TRIED, timeouts=attn_dense.errors(dev))
-        except Exception as e:
-            row["failed"] = f"{type(e).__name__}: {str(e)[:1500]}"
-        out[name] = row
-        say(f"attn+dense kv {kv_len} {name}: {row}")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-gemm", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
-    ap.add_argument("--fused-only", action="store_true", help="only attention + dense, one kernel against two")
     args = ap.parse_args()
     lines: list[str] = []
 
@@ -214,11 +160,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.fused_only:
-        result["attention_dense"] = {kv: fused_attention_dense(kv, say) for kv in (640,)}
-        save()
-        print("\n".join(lines))
-        return
     att = result["attention"] = {}
     for kv in () if args.skip_attention else (640, 1024):
         att[f"{kv}_bf16"] = a = attention_configs(kv, False, say)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, trtckpt
-from workflow.engines import ENGINE_JSON, attention, attn_dense, check_engine_config, gemv, load_engine
+from workflow.engines import ENGINE_JSON, attention, check_engine_config, gemv, load_engine
 from workflow.errors import InputError, run_main
 
 
@@ -44,13 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--defer-text-fill", action="store_true", help="torch backend: audio mode leaves the text branch to the next text step"
     )
-    ap.add_argument(
-        "--attention-dense", action="store_true", help="torch backend: batch-1 decode attention and dense as one kernel"
-    )
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
-    kernels = (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention))
-    for flag, on, kernel in (*kernels, ("attention_dense", args.attention_dense, attn_dense)):
+    for flag, on, kernel in (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention)):
         if on and (args.backend != "torch" or args.device != "cuda"):
             where, why = f"config: engine.{flag}", "a Triton kernel of the torch backend on cuda"
             raise InputError(where, f"{why}, not {args.backend} on {args.device}")
@@ -59,8 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     for flag, on in (("fp8_fast_accum", args.fp8_fast_accum), ("defer_text_fill", args.defer_text_fill)):
         if on and args.backend != "torch":
             raise InputError(f"config: engine.{flag}", f"an option of the torch backend, not {args.backend}")
-    if args.attention_dense and not (args.gemv and args.decode_attention):
-        raise InputError("config: engine.attention_dense", "fuses the GEMV and decode attention: needs both of them on")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
@@ -82,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
             "decode_attention": args.decode_attention,
             "fp8_fast_accum": args.fp8_fast_accum,
             "defer_text_fill": args.defer_text_fill,
-            "attention_dense": args.attention_dense,
         },
         "spec": spec.to_dict(),
         "versions": versions(),

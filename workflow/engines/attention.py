@@ -80,24 +80,7 @@ if triton is not None:
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
-        _attend(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2),
-            qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
-            qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
-            H, HKV, G, GP, D, KV_LEN, SPLITS, SPLIT_LEN, BLOCK_S, PRECISION, QUANT,
-        )  # fmt: skip
-
-    @triton.jit
-    def _attend(
-        b, kvh, split,
-        qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
-        qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr, QUANT: tl.constexpr,
-    ):  # fmt: skip
-        """One program's work: (sequence b, kv head kvh, slice split); also what attn_dense's
-        attention programs run."""
+        b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
         g, d2, d = tl.arange(0, GP), tl.arange(0, D2), tl.arange(0, D)
         g_ok = g < G
@@ -155,13 +138,7 @@ if triton is not None:
         H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         """y of one (sequence, head) from its SPLITS partial softmaxes."""
-        _combine_head(tl.program_id(0) * H + tl.program_id(1), y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, D, SPLITS, SP, ACT, QUANT)
-
-    @triton.jit
-    def _combine_head(
-        bh, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-        ACT: tl.constexpr, QUANT: tl.constexpr,
-    ):  # fmt: skip
+        bh = tl.program_id(0) * H + tl.program_id(1)
         sp, d = tl.arange(0, SP), tl.arange(0, D)
         ok = sp < SPLITS
         m = tl.load(m_ptr + bh * SPLITS + sp, mask=ok, other=-1.0e30)
@@ -193,38 +170,6 @@ if triton is not None:
         return y
 
 
-def plan(
-    qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits, block_s, quant
-) -> tuple[torch.Tensor, list, dict]:
-    """The checks, the output and scratch buffers, and the arguments of `_attend` (positional,
-    then compile-time) for a launch; shared with workflow.engines.attn_dense."""
-    b, t, width = qkv.shape
-    _, hkv, seq, d = k_cache.shape
-    h = width // d - 2 * hkv
-    if t != 1 or h <= 0 or h % hkv or width % d:
-        raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} does not fit caches {tuple(k_cache.shape)} at t=1")
-    if d & (d - 1) or d < 32 or kv_len > seq or b > k_cache.shape[0] or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"decode_attention: head_dim {d} (a power of 2 >= 32), kv_len {kv_len}, batch {b}")
-    if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("decode_attention: qkv and the caches need unit stride on the last dimension")
-    splits = splits or choose_splits(b, hkv, kv_len, qkv.device)
-    split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_s) * block_s
-    y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
-    parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
-    m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
-    g = h // hkv
-    args = [
-        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
-    ]  # fmt: skip
-    const = dict(
-        H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
-        SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        QUANT=quant is not None,
-    )  # fmt: skip
-    return y, args, const
-
-
 def launch(
     qkv: torch.Tensor,
     q_norm: torch.Tensor,
@@ -246,12 +191,32 @@ def launch(
     that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
     combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
     float8_e4m3fn input."""
-    y, args, c = plan(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits, block_s, quant)
-    _decode_attn[(qkv.shape[0], c["HKV"], c["SPLITS"])](*args, **c, num_warps=num_warps)
-    if c["SPLITS"] > 1:
-        _combine[(qkv.shape[0], c["H"])](
-            y, *args[9:13], H=c["H"], D=c["D"], SPLITS=c["SPLITS"], SP=triton.next_power_of_2(c["SPLITS"]),
-            ACT=ACT_TYPES[qkv.dtype], QUANT=c["QUANT"], num_warps=4,
+    b, t, width = qkv.shape
+    _, hkv, seq, d = k_cache.shape
+    h = width // d - 2 * hkv
+    if t != 1 or h <= 0 or h % hkv or width % d:
+        raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} does not fit caches {tuple(k_cache.shape)} at t=1")
+    if d & (d - 1) or d < 32 or kv_len > seq or b > k_cache.shape[0] or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"decode_attention: head_dim {d} (a power of 2 >= 32), kv_len {kv_len}, batch {b}")
+    if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("decode_attention: qkv and the caches need unit stride on the last dimension")
+    splits = splits or choose_splits(b, hkv, kv_len, qkv.device)
+    split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_s) * block_s
+    y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
+    parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
+    m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
+    g = h // hkv
+    _decode_attn[(b, hkv, splits)](
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
+        H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
+        SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        QUANT=quant is not None, num_warps=num_warps,
+    )  # fmt: skip
+    if splits > 1:
+        _combine[(b, h)](
+            y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
+            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
         )  # fmt: skip
     return y
 

@@ -53,8 +53,3 @@ class Engine(ABC):
         """One step for each sequence. With need_text False (every sequence in audio mode) the
         text head is skipped and None returned; the text branch still fills its cache (or, with
         defer_text_fill, catches up at the next decode with need_text)."""
-
-    def faults(self) -> list[str]:
-        """Faults the engine detected in its own runs so far, one line each (a persistent
-        kernel's barrier that timed out, say): verify fails on any."""
-        return []

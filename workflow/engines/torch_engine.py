@@ -33,7 +33,7 @@ from torch import nn
 
 from workflow import trtckpt
 from workflow.cudagraphs import Graphs
-from workflow.engines import attention, attn_dense, gemv
+from workflow.engines import attention, gemv
 from workflow.engines.base import Engine, merged_ids
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.names import layer_plan
@@ -57,7 +57,6 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
     defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
-    attention_dense: bool = False  # batch-1 decode: attention and dense's GEMV as one persistent kernel (gemv + decode_attention)
 
 
 def layer_step(
@@ -78,7 +77,6 @@ def layer_step(
     fused: bool = False,
     fused_attention: bool = False,
     glu: bool = False,
-    fused_dense: bool = False,
 ) -> torch.Tensor:
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
@@ -87,20 +85,16 @@ def layer_step(
     fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
     glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
     programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
-    there the epilogue cost more than the kernel it saves, probe 17); fused_dense: with both, at
-    batch 1, attention and dense's GEMV are one persistent kernel (workflow.engines.attn_dense)."""
+    there the epilogue cost more than the kernel it saves, probe 17)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps)
-    h = None
     if fused_attention and mask is not None and t == 1:
         fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
-        attend = (qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps)
-        if fused_dense and b == 1 and gemv_path(x, fused):
-            w, scale = (dense.fp8_weight, dense.out_scale) if fp8_in else (dense.weight, None)
-            h = attn_dense.attention_dense(*attend, w, x, scale, dense.a_scale if fp8_in else None)
-        else:
-            y = attention.decode_attention(*attend, quant=dense.a_scale if fp8_in else None)
+        y = attention.decode_attention(
+            qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
+            quant=dense.a_scale if fp8_in else None,
+        )  # fmt: skip
     else:
         q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
         q = rope(rms_norm(q.view(b, t, -1, d), norms[2], eps), cos, sin).transpose(1, 2)
@@ -118,8 +112,7 @@ def layer_step(
             k_seen, v_seen = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
-    if h is None:
-        h = project(y, dense, fused, residual=x)
+    h = project(y, dense, fused, residual=x)
     glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
     act = project(h, gate_up, fused, norms[1], eps, glu=glu)
     return project(act, proj, fused, residual=h, silu_mul=not glu)
@@ -132,7 +125,7 @@ class Layer(nn.Module):
         self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step, fused=(False, False)
     ):
         super().__init__()
-        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue, attention + dense)
+        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue)
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
         self.norms = tuple(
@@ -186,7 +179,7 @@ class TorchEngine(Engine, nn.Module):
                 layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
-                (options.gemv, options.decode_attention, options.gemv, options.attention_dense),
+                (options.gemv, options.decode_attention, options.gemv),
             )
             for n in range(spec.num_layers)
         )
@@ -199,10 +192,6 @@ class TorchEngine(Engine, nn.Module):
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
         self.gemv_blocks = dict(options.gemv_blocks or {})
-        if options.attention_dense and not (options.gemv and options.decode_attention):
-            raise ValueError("engine option attention_dense fuses the GEMV and decode attention: it needs both on")
-        if options.attention_dense and self.device.type == "cuda":
-            attn_dense.state(self.device)  # the barrier's counters, made outside any graph capture
         if options.gemv and self.device.type == "cuda":
             if not self.gemv_blocks:  # first load (build): choose each use's blocks on this GPU
                 self.gemv_blocks = gemv.tune(self.gemv_uses())
@@ -223,11 +212,6 @@ class TorchEngine(Engine, nn.Module):
         self.text_filled = 0  # positions whose text-branch cache is filled; the rest are owed, their trunk outputs in `held`
         self.held: torch.Tensor | None = None  # [max_batch, max_seq_len, hidden], made by the first step that defers
         self.catch_up_pos = torch.zeros(options.max_seq_len, dtype=torch.long, device=dev)  # the catch-up graphs' input
-
-    def faults(self) -> list[str]:
-        if not (self.options.attention_dense and self.device.type == "cuda") or not (n := attn_dense.errors(self.device)):
-            return []
-        return [f"attention_dense: {n} grid barriers timed out (the kernel's programs were not all resident)"]
 
     def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
         """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
