@@ -13,7 +13,9 @@ write their share of x) is followed by a GEMV y = W x, N = K = 4096 (dense's sha
 36 such pairs (each with its own W: no L2 hits) replay from one CUDA graph; x is zeroed before
 each pair, so a barrier that let a program through early gives a wrong y (checked every
 variant). A spin limit makes a barrier that could never open (programs not all resident) end
-the kernel with a flag instead of hanging it. Prints a table, writes JSON.
+the kernel with a flag instead of hanging it. Prints a table, writes JSON. The barrier's reset
+as the last program leaves it holds for one barrier a launch only: with two, a fast program's
+arrival at the second could be erased (probe 27's run0).
 
 Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/probe_overlap.py --out $OUT/overlap.json
 """
@@ -29,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-N = K = 4096
+from benchmarks.probe_shapes import FULL, bench_us
+
+N = K = FULL.hidden_size  # dense's shape
 LAYERS = 36
 SPIN_LIMIT = tl.constexpr(1 << 22)  # a global a kernel reads must be a constexpr
 
@@ -93,12 +97,6 @@ def _pair(
         tl.store(y_ptr + r, acc)
 
 
-def bench_us(fn, rep: int = 200) -> float:
-    from triton.testing import do_bench
-
-    return 1e3 * do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
 def run(dtype: torch.dtype, att: int, iters: int, nprog: int, pre_k: int, warps: int, fused: bool) -> dict:
     dev = torch.device("cuda")
     rows = N // nprog
@@ -121,8 +119,8 @@ def run(dtype: torch.dtype, att: int, iters: int, nprog: int, pre_k: int, warps:
 
     pair(0)  # compile; the register count tells whether NPROG programs can all be resident
     torch.cuda.synchronize()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    per_sm = 65536 // (meta["regs"] * 32 * warps)
+    props = torch.cuda.get_device_properties(dev)
+    sms, per_sm = props.multi_processor_count, props.regs_per_multiprocessor // (meta["regs"] * 32 * warps)
     if fused and per_sm * sms < nprog:
         return {"skipped": f"{meta['regs']} registers a thread: {per_sm} programs a multiprocessor, {nprog} needed", **meta}
     g = torch.cuda.CUDAGraph()
@@ -133,7 +131,7 @@ def run(dtype: torch.dtype, att: int, iters: int, nprog: int, pre_k: int, warps:
     torch.cuda.synchronize()
     xs = x.float()
     worst = max((ys[i] - ws[i].float() @ xs).abs().max().item() for i in range(LAYERS))
-    us = bench_us(g.replay) / LAYERS
+    us = bench_us(g.replay, rep=200) / LAYERS
     return {"us": us, "max_err": worst, "barrier_timeouts": int(err.item()), **meta}
 
 

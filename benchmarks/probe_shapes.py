@@ -11,8 +11,8 @@
 
 Usage (on the GPU machine, repository root; [--skip-gemm] [--skip-attention]):
     PYTHONPATH=. python3 benchmarks/probe_shapes.py --out $OUT/shapes.json
-With benchmarks/results/2026-11-24-h100-probe25/early-v.patch applied, each attention config is
-also timed with a block's V loaded beside its K.
+(Probe 25's run1 also timed each attention config with a block's V loaded beside its K: the
+script of commit 3b71bd9 with benchmarks/results/2026-11-24-h100-probe25/early-v.patch.)
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 12288
+from workflow.spec import PRESETS
+
+FULL = PRESETS["full"]
 SHAPES = {  # name: (N, K) of the trunk's linears
-    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
-    "dense": (HIDDEN, HEADS * HEAD_DIM),
-    "gate_up": (2 * INTER, HIDDEN),
-    "proj": (HIDDEN, INTER),
+    "qkv": (FULL.qkv_size, FULL.hidden_size),
+    "dense": (FULL.hidden_size, FULL.num_attention_heads * FULL.head_dim),
+    "gate_up": (2 * FULL.intermediate_size, FULL.hidden_size),
+    "proj": (FULL.hidden_size, FULL.intermediate_size),
 }
 
 
@@ -89,27 +91,24 @@ def gemms(m: int, say) -> dict:
 def attention_configs(kv_len: int, quant: bool, say, only: list[str] | None = None, layers: int = 36) -> dict:
     """Per-call time of decode attention at batch 1 over a kv bucket, every config (or those in
     `only`), 36 calls (each its own cache) replayed from one CUDA graph. Keys:
-    s{splits}_b{BLOCK_S}_w{warps}_v{EARLY_V}."""
+    s{splits}_b{BLOCK_S}_w{warps}."""
     from workflow.engines import attention
 
-    dev, d, width = torch.device("cuda"), HEAD_DIM, (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    dev, d, width, kv_heads = torch.device("cuda"), FULL.head_dim, FULL.qkv_size, FULL.num_key_value_heads
     seq = max(1024, kv_len)
     qkv = torch.randn(1, 1, width, device=dev, dtype=torch.bfloat16)
     norms = torch.ones(d, device=dev, dtype=torch.bfloat16)
     cos, sin = torch.ones(1, d, device=dev, dtype=torch.bfloat16), torch.zeros(1, d, device=dev, dtype=torch.bfloat16)
-    caches = [torch.randn(2, 1, KV_HEADS, seq, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    caches = [torch.randn(2, 1, kv_heads, seq, d, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
     pos = torch.tensor([kv_len - 100], device=dev)
     scale = torch.ones(1, device=dev) if quant else None
     out, ref = {}, None
-    earlies = (0, 1) if hasattr(attention, "EARLY_V") else (0,)  # early-v.patch applied, or not
-    for splits, block_s, warps, early in itertools.product((1, 2, 4, 8, 16), (32, 64, 128), (4, 8), earlies):
-        key = f"s{splits}_b{block_s}_w{warps}_v{early}"
+    for splits, block_s, warps in itertools.product((1, 2, 4, 8, 16), (32, 64, 128), (4, 8)):
+        key = f"s{splits}_b{block_s}_w{warps}"
         if only is not None and key not in only:
             continue
         if splits * block_s > kv_len * 2 or (splits > 1 and kv_len // splits < block_s // 2):
             continue
-        if early or earlies[-1]:
-            attention.EARLY_V = bool(early)
 
         def calls(splits=splits, block_s=block_s, warps=warps):
             return [
@@ -132,9 +131,7 @@ def attention_configs(kv_len: int, quant: bool, say, only: list[str] | None = No
         us = bench_us(g.replay, rep=100) / layers
         out[key] = {"us": us, "max_diff": (y - ref).abs().max().item()}
     best = min(out, key=lambda k: out[k]["us"])
-    if earlies[-1]:
-        attention.EARLY_V = False
-    default = f"s{attention.choose_splits(1, KV_HEADS, kv_len, dev)}_b{attention.BLOCK_S}_w{attention.NUM_WARPS}_v0"
+    default = f"s{attention.choose_splits(1, kv_heads, kv_len, dev)}_b{attention.BLOCK_S}_w{attention.NUM_WARPS}"
     say(f"attn kv {kv_len} quant {quant}: default {default} {out.get(default, {}).get('us', float('nan')):.2f} us, "
         f"best {best} {out[best]['us']:.2f} us")  # fmt: skip
     return {"configs": out, "best": best, "default": default}
