@@ -4,7 +4,9 @@
 a residual add after. For many rows (prefill, batched decode) that is torch ops around cuBLAS
 (or torch._scaled_mm for the FP8 trunk); for a few rows, with `fused`, one call of our Triton
 GEMV (workflow.engines.gemv). The checkpoint's fc (SiLU side) and gate (up) are fused into one
-gate_up = [fc; gate] weight, FP8 scales kept per part.
+gate_up = [fc; gate] weight, FP8 scales kept per part: the GEMV applies each part's own; the
+GEMM runs at fc's, and up's ratio to it is folded into proj's input quantization (`in_scale`),
+since silu(fc) * (r * up) / a = silu(fc) * up / (a / r): no rescaling pass over gate_up's output.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class LinearArgs(NamedTuple):
     emulation) FP8 dequantized; a_scale: FP8's activation scale; w_scale: the GEMM's weight
     scale, part_scale: each part's own weight scale over it (fused parts only), fast_accum:
     cuBLASLt's FP8 fast accumulation; fp8_weight and out_scale (a_scale x w_scale per part):
-    what the FP8 GEMV reads."""
+    what the FP8 GEMV reads; in_scale: what the GEMM path divides x by before rounding it to
+    FP8, where x arrives scaled otherwise than a_scale assumes (proj's, see `layer_linears`)."""
 
     weight: torch.Tensor
     a_scale: torch.Tensor | None = None
@@ -46,23 +49,25 @@ class LinearArgs(NamedTuple):
     fast_accum: bool = False
     fp8_weight: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
+    in_scale: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, lin: LinearArgs) -> torch.Tensor:
     """x @ w^T, three ways. bf16: no a_scale. FP8 emulated exactly (CPU): weight is the
     dequantized weight, w_scale None, and x is rounded through FP8 with a_scale. FP8 on CUDA: one
-    torch._scaled_mm over x rounded to FP8, rows padded to a multiple of 16 (cuBLASLt's FP8 GEMM
-    wants that), at w_scale; where two checkpoint tensors were fused (fc|gate), each keeping its
-    own scale, each part of the output is rescaled from w_scale to its own (compile fuses that
-    into the consumer; one GEMM is one launch less than two and a row-wise-scaled GEMM is
-    slower)."""
+    torch._scaled_mm over x / in_scale (a_scale unless given) rounded to FP8, rows padded to a
+    multiple of 16 (cuBLASLt's FP8 GEMM wants that), at a_scale and w_scale; where two checkpoint
+    tensors were fused (fc|gate), each keeping its own scale, one GEMM runs at the first part's
+    (one launch less than two; a row-wise-scaled GEMM is slower), and each part given in
+    part_scale is rescaled to its own (gate_up gives none: proj's in_scale folds it in)."""
     if lin.a_scale is None:
         return F.linear(x, lin.weight)
     if lin.w_scale is None:
         return F.linear(fp8.fake_quant(x, lin.a_scale), lin.weight)
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
     m, pad = x.shape[0], -x.shape[0] % 16
-    xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, lin.a_scale)
+    in_scale = lin.a_scale if lin.in_scale is None else lin.in_scale
+    xq = fp8.quantize(F.pad(x, (0, 0, 0, pad)) if pad else x, in_scale)
     y = torch._scaled_mm(
         xq, lin.weight.t(), scale_a=lin.a_scale, scale_b=lin.w_scale, out_dtype=x.dtype, use_fast_accum=lin.fast_accum
     )
@@ -129,16 +134,26 @@ class Linear(nn.Module):
 
 class Fp8Linear(Linear):
     """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`);
-    w_scale has one entry per part of the rows (fc|gate: two)."""
+    w_scale has one entry per part of the rows (fc|gate: two). fold_parts: the GEMM path leaves
+    the parts at the first one's scale, for the consumer to fold in (gate_up, see `layer_linears`);
+    in_scale: what the GEMM path divides x by instead of a_scale (proj: a_scale / up's ratio)."""
 
     def __init__(
-        self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor, dtype: torch.dtype, fast_accum: bool = False
+        self,
+        weight: torch.Tensor,
+        w_scale: torch.Tensor,
+        a_scale: torch.Tensor,
+        dtype: torch.dtype,
+        fast_accum: bool = False,
+        fold_parts: bool = False,
+        in_scale: torch.Tensor | None = None,
     ):
         nn.Module.__init__(self)
-        self.fast_accum = fast_accum
+        self.fast_accum, self.fold_parts = fast_accum, fold_parts
         self.register_buffer("weight", weight)
         self.register_buffer("w_scale", w_scale.float().reshape(-1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
+        self.register_buffer("in_scale", None if in_scale is None else in_scale.float().reshape(1))
         self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.row_scale()).to(dtype))
         self.register_buffer("out_scale", self.a_scale * self.w_scale)
         self.register_buffer("gemm_scale", self.w_scale[:1].clone())
@@ -156,9 +171,11 @@ class Fp8Linear(Linear):
 
     def gemm_args(self) -> LinearArgs:
         """What the FP8 GEMM (torch._scaled_mm) reads: CUDA's path, also runnable on CPU."""
+        part_scale = None if self.fold_parts else self.part_scale
         return LinearArgs(
-            self.weight, self.a_scale, self.gemm_scale, self.part_scale, self.fast_accum, self.weight, self.out_scale
-        )
+            self.weight, self.a_scale, self.gemm_scale, part_scale, self.fast_accum, self.weight, self.out_scale,
+            self.in_scale,
+        )  # fmt: skip
 
 
 def layer_linears(
@@ -181,11 +198,16 @@ def layer_linears(
             tensors[f"{prefix}{name}.activation_scaling_factor"].to(device),
         )
 
-    out = {n: Fp8Linear(weight(n), *scales(n), dtype, fast_accum) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
+    out = {n: Fp8Linear(weight(n), *scales(n), dtype, fast_accum) for n in ("attention.qkv", "attention.dense")}
     (w_fc, a_fc), (w_gate, a_gate) = scales("mlp.fc"), scales("mlp.gate")
     w_scale = torch.cat([w_fc.reshape(1), w_gate.reshape(1)])
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
     gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
-    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum)
+    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum, fold_parts=True)
+    # the GEMM path's gate_up output has up at fc's scale, short of its own by r = w_gate / w_fc;
+    # proj's input is silu(fc) * up, linear in up, so dividing it by a_proj / r restores it
+    w_proj, a_proj = scales("mlp.proj")
+    r = out["mlp.gate_up"].part_scale[1]
+    out["mlp.proj"] = Fp8Linear(weight("mlp.proj"), w_proj, a_proj, dtype, fast_accum, in_scale=a_proj.float().reshape(1) / r)
     return out

@@ -1,0 +1,152 @@
+"""Probe 28: the trunk's prefill of 512 rows, FP8 against bf16, layer by layer (no checkpoint).
+
+The engine's own `Layer` and compiled `layer_step` over `--layers` layers of the full shape with
+random weights (FP8: per-tensor scales, fc's and gate's apart, so the fused gate_up has two
+parts), replayed from one CUDA graph per variant, A/B in turns within the process:
+
+- bf16;
+- fp8 rescale: gate_up's GEMM output rescaled part by part (up to its own scale) before
+  silu(fc) * up is quantized for proj (the engine before this probe);
+- fp8 fold: up left at fc's scale, its ratio folded into proj's input quantization
+  (`Fp8Linear.fold_parts`, proj's `in_scale`: the engine now).
+
+Then one compiled (eager, not graphed) pass of each under the profiler: every kernel's time per
+layer, so the work FP8 adds around its GEMMs shows by name. Prints a short table last.
+
+Usage (on the GPU machine, repository root):
+    PYTHONPATH=. python3 benchmarks/probe_prefill.py --out $OUT/prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.probe_parts import kernel_summary
+from workflow import fp8, roofline
+from workflow.cudagraphs import Graphs
+from workflow.engines.linears import Fp8Linear, layer_linears
+from workflow.engines.torch_engine import Layer, layer_step
+from workflow.spec import PRESETS
+
+FULL = PRESETS["full"]
+NORMS = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
+
+
+def layer_tensors(precision: str, dev: torch.device) -> dict[str, torch.Tensor]:
+    """One trunk layer's checkpoint tensors under the prefix `l.`, random, of the full shape."""
+    s, out = FULL, {}
+    shapes = {
+        "attention.qkv": (s.qkv_size, s.hidden_size),
+        "attention.dense": (s.hidden_size, s.num_attention_heads * s.head_dim),
+        "mlp.fc": (s.intermediate_size, s.hidden_size),
+        "mlp.gate": (s.intermediate_size, s.hidden_size),
+        "mlp.proj": (s.hidden_size, s.intermediate_size),
+    }
+    w_scale = {"mlp.fc": 2.0e-4, "mlp.gate": 5.5e-4}  # apart: gate_up's parts differ by 2.75
+    for name, shape in shapes.items():
+        w = 0.02 * torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        if precision == "bf16":
+            out[f"l.{name}.weight"] = w
+            continue
+        ws = torch.tensor(w_scale.get(name, 2.0e-4), device=dev)
+        out[f"l.{name}.weight"] = fp8.quantize(w, ws)
+        out[f"l.{name}.weights_scaling_factor"] = ws
+        out[f"l.{name}.activation_scaling_factor"] = torch.tensor(0.02, device=dev)
+    return out
+
+
+def stack(precision: str, n: int, dev: torch.device) -> list[Layer]:
+    step = torch.compile(layer_step, dynamic=False, fullgraph=True)
+    layers = []
+    for _ in range(n):
+        lins = layer_linears(layer_tensors(precision, dev), "l.", torch.bfloat16, str(dev), fast_accum=True)
+        size = {k: FULL.head_dim if k.startswith("attention.") else FULL.hidden_size for k in NORMS}
+        norms = {k: 1 + 0.1 * torch.randn(size[k], device=dev, dtype=torch.bfloat16) for k in NORMS}
+        layer = Layer(FULL, lins, norms, step, (True, True, True))
+        layer.setup_cache(1, 1024, torch.bfloat16, dev)
+        layers.append(layer)
+    return layers
+
+
+def fold(layers: list[Layer], on: bool, in_scales: list) -> None:
+    """The engine's fold (on) or the rescale before it (off), by the two attributes it sets."""
+    for layer, in_scale in zip(layers, in_scales, strict=True):
+        layer.gate_up.fold_parts = on
+        layer.proj.in_scale = in_scale if on else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=FULL.num_layers - 8)  # the trunk: 32
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch._dynamo.config.cache_size_limit = 64
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "rows": args.rows}
+    say(f"{res['gpu']}, torch {res['torch']}, {args.layers} layers x {args.rows} rows")
+    torch.manual_seed(0)
+    x0 = torch.randn(1, args.rows, FULL.hidden_size, device=dev, dtype=torch.bfloat16)
+    inv_freq = 1.0 / FULL.rope_theta ** (torch.arange(0, FULL.head_dim, 2, device=dev).float() / FULL.head_dim)
+    pos = torch.arange(args.rows, device=dev)
+    angles = torch.outer(pos.float(), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    stacks = {p: stack(p, args.layers, dev) for p in ("bf16", "fp8")}
+    in_scales = [layer.proj.in_scale for layer in stacks["fp8"]]
+    assert all(isinstance(layer.gate_up, Fp8Linear) and layer.gate_up.fold_parts for layer in stacks["fp8"])
+
+    def run(layers: list[Layer]) -> torch.Tensor:
+        x = x0
+        for layer in layers:
+            x = layer(x, cos, sin, pos, None)
+        return x
+
+    variants = {"bf16": ("bf16", None), "fp8 rescale": ("fp8", False), "fp8 fold": ("fp8", True)}
+    graphs, outs, times = Graphs(dev), {}, {v: [] for v in variants}
+    for v, (p, on) in variants.items():
+        if on is not None:
+            fold(stacks[p], on, in_scales)
+        t = time.time()
+        outs[v] = graphs.run(v, lambda p=p: run(stacks[p])).float().clone()
+        say(f"{v}: compiled and captured in {time.time() - t:.1f} s")
+    # the fold computes the same function: its output against the rescale's (bf16 rounding apart)
+    a, b = outs["fp8 rescale"], outs["fp8 fold"]
+    res["fold_vs_rescale_rel"] = ((a - b).norm() / a.norm()).item()
+    for _ in range(args.rounds):
+        for v in variants:
+            times[v] += roofline.timed_ms(lambda v=v: graphs.run(v, lambda: None), dev, 10)
+    res["ms"] = {v: roofline.median(ts) for v, ts in times.items()}
+    res["ms_all"] = times
+    from torch.profiler import ProfilerActivity, profile
+
+    res["profile"] = {}
+    for v, (p, on) in variants.items():
+        if on is not None:
+            fold(stacks[p], on, in_scales)
+        run(stacks[p])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(stacks[p])
+            torch.cuda.synchronize()
+        s = kernel_summary(prof, top=40)
+        res["profile"][v] = s
+        say(f"\nprofile {v}: {s['kernel_ms']:.3f} ms in {s['kernels']} kernels; per layer (us, calls):")
+        for key, ms, n in s["top"]:
+            say(f"  {1e3 * ms / args.layers:8.2f}  x{n // args.layers:<3d} {key}")
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    say(f"\nfold vs rescale output, relative: {res['fold_vs_rescale_rel']:.2e}")
+    say("| variant | graph ms | per layer us | vs bf16 |")
+    say("|---|---|---|---|")
+    for v, ms in res["ms"].items():
+        say(f"| {v} | {ms:.3f} | {1e3 * ms / args.layers:.1f} | {res['ms']['bf16'] / ms:.3f} x |")
+
+
+if __name__ == "__main__":
+    main()
