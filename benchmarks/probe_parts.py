@@ -246,41 +246,6 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return out
 
 
-def fold_ab(engine, ids: Ids, dev: torch.device, rounds: int = 6) -> dict:
-    """FP8 prefill of 512 (both heads, as the benchmark times it) with up's part scale folded
-    into proj's input quantization (as built) against rescaled in gate_up's GEMM output (before
-    probe 28), each with its own graphs, timed in turn; and the largest logit difference."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines.linears import Fp8Linear
-
-    pairs = [(x.gate_up, x.proj, x.proj.in_scale) for x in engine.layers if isinstance(x.gate_up, Fp8Linear)]
-
-    def setting(on: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            for gate_up, proj, in_scale in pairs:
-                gate_up.fold_parts, proj.in_scale = on, in_scale if on else None
-            engine.graphs = graphs
-
-        return apply
-
-    settings = {"fold": setting(True), "rescale": setting(False)}
-    prompt = traffic.speech_prompt(1, 512, ids, seed=0)
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    logits = {}
-    for _ in range(rounds):
-        for name, apply in settings.items():
-            apply()
-            times[name] += roofline.timed_ms(lambda: engine.prefill(prompt), dev, 5)
-            logits[name] = engine.prefill(prompt)
-    settings["fold"]()
-    out: dict = {f"{name}_ms": roofline.median(ts) for name, ts in times.items()}
-    out["layers"] = len(pairs)
-    out["max_logit_diff"] = max(float((a - b).abs().max()) for a, b in zip(logits["fold"], logits["rescale"], strict=True))
-    return out
-
-
 def steady_key(engine) -> tuple:
     """The graph key of a steady audio-mode decode step at batch 1: (shape, need_text,
     all_logits, kv_len, hold); not a catch-up's ("catch-up", batch, rows, kv_len)."""

@@ -9,9 +9,10 @@ from workflow.engines.linears import Fp8Linear, LinearArgs, layer_linears, linea
 
 
 @pytest.mark.parametrize("fast_accum", [False, True])
-def test_fused_parts_in_one_gemm_keep_their_own_scales(fast_accum):
-    """fc|gate fused: one GEMM at fc's scale, the gate half rescaled to its own scale, equals
-    fp8(x/a)*a @ (fp8(W)*w_part)^T to bf16 rounding (twice for the rescaled half)."""
+def test_fused_parts_in_one_gemm_run_at_the_first_parts_scale(fast_accum):
+    """fc|gate fused: one GEMM at fc's scale for every row, equal to fp8(x/a)*a @ (fp8(W)*w_fc)^T
+    to bf16 rounding; the gate half is left at fc's scale (proj's in_scale folds its own in, see
+    the MLP test below), not rescaled to its own."""
     torch.manual_seed(0)
     k, n, rows = 64, 48, 16
     ws, a = torch.tensor([0.004, 0.011]), torch.tensor([0.02])
@@ -20,12 +21,13 @@ def test_fused_parts_in_one_gemm_keep_their_own_scales(fast_accum):
     lin = Fp8Linear(w8, ws, a, torch.bfloat16, fast_accum)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     got = linear(x, lin.gemm_args()).double()
-    exact = (fp8.quantize(x, a).double() * a.item()) @ (w8.double() * lin.row_scale().double()).t()
+    exact = (fp8.quantize(x, a).double() * a.item()) @ (w8.double() * ws[0].item()).t()
     assert got.dtype == torch.float64 and got.shape == (rows, n)
     ulp = exact.abs() * 2**-8 + 1e-6
     assert ((got - exact).abs() <= 2 * ulp).all()
-    # the gate half really is rescaled: at fc's scale it would be off by 0.011 / 0.004
-    assert ((got[:, n // 2 :] - exact[:, n // 2 :] * ws[0] / ws[1]).abs() > 10 * ulp[:, n // 2 :]).any()
+    # the gate half really is at fc's scale: at its own it would be larger by 0.011 / 0.004
+    own = exact[:, n // 2 :] * ws[1] / ws[0]
+    assert ((got[:, n // 2 :] - own).abs() > 10 * ulp[:, n // 2 :]).any()
 
 
 def test_gemm_path_pads_rows_and_keeps_the_leading_shape():
@@ -40,7 +42,7 @@ def test_gemm_path_pads_rows_and_keeps_the_leading_shape():
     assert got.shape == (1, 5, n) and got.dtype == torch.bfloat16
     exact = (fp8.quantize(x, a).double() * a.item()) @ (w8.double() * ws.item()).t()
     assert torch.allclose(got.double(), exact, rtol=2**-7, atol=1e-6)
-    assert lin.part_scale is None  # one part: no rescaling
+    assert torch.equal(lin.gemm_args().w_scale, ws.reshape(1)) and lin.gemm_args().in_scale is None  # its own scales
 
 
 def test_mlp_gemm_path_folds_ups_scale_into_projs_input():
@@ -58,7 +60,9 @@ def test_mlp_gemm_path_folds_ups_scale_into_projs_input():
         tensors[f"l.{name}.activation_scaling_factor"] = torch.tensor(3e-3 if name == "mlp.proj" else 0.02)
     lins = layer_linears(tensors, "l.", torch.float32, "cpu")
     gate_up, proj = lins["mlp.gate_up"], lins["mlp.proj"]
-    assert gate_up.gemm_args().part_scale is None and torch.allclose(proj.in_scale, torch.tensor([3e-3 * 4 / 11]))
+    assert torch.equal(gate_up.gemm_args().w_scale, torch.tensor([4e-4])) and torch.allclose(
+        proj.in_scale, torch.tensor([3e-3 * 4 / 11])
+    )
     h, norm = torch.randn(rows, d), 1 + 0.1 * torch.randn(d)
 
     def mlp(gu: LinearArgs, pj: LinearArgs) -> torch.Tensor:

@@ -37,15 +37,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class LinearArgs(NamedTuple):
     """A linear's tensors as `linear` and `project` take them. weight: bf16, FP8, or (CPU
     emulation) FP8 dequantized; a_scale: FP8's activation scale; w_scale: the GEMM's weight
-    scale, part_scale: each part's own weight scale over it (fused parts only), fast_accum:
-    cuBLASLt's FP8 fast accumulation; fp8_weight and out_scale (a_scale x w_scale per part):
-    what the FP8 GEMV reads; in_scale: what the GEMM path divides x by before rounding it to
-    FP8, where x arrives scaled otherwise than a_scale assumes (proj's, see `layer_linears`)."""
+    scale (a fused weight's first part's); fast_accum: cuBLASLt's FP8 fast accumulation;
+    fp8_weight and out_scale (a_scale x w_scale per part): what the FP8 GEMV reads; in_scale:
+    what the GEMM path divides x by before rounding it to FP8, where x arrives scaled otherwise
+    than a_scale assumes (proj's, see `layer_linears`)."""
 
     weight: torch.Tensor
     a_scale: torch.Tensor | None = None
     w_scale: torch.Tensor | None = None
-    part_scale: tuple[torch.Tensor, ...] | None = None
     fast_accum: bool = False
     fp8_weight: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
@@ -57,9 +56,9 @@ def linear(x: torch.Tensor, lin: LinearArgs) -> torch.Tensor:
     dequantized weight, w_scale None, and x is rounded through FP8 with a_scale. FP8 on CUDA: one
     torch._scaled_mm over x / in_scale (a_scale unless given) rounded to FP8, rows padded to a
     multiple of 16 (cuBLASLt's FP8 GEMM wants that), at a_scale and w_scale; where two checkpoint
-    tensors were fused (fc|gate), each keeping its own scale, one GEMM runs at the first part's
-    (one launch less than two; a row-wise-scaled GEMM is slower), and each part given in
-    part_scale is rescaled to its own (gate_up gives none: proj's in_scale folds it in)."""
+    tensors were fused (fc|gate), each keeping its own scale, the one GEMM runs at the first
+    part's (one launch less than two; a row-wise-scaled GEMM is slower), and the output's other
+    parts stay at that scale for the consumer to fold in (gate_up's up: proj's in_scale)."""
     if lin.a_scale is None:
         return F.linear(x, lin.weight)
     if lin.w_scale is None:
@@ -71,8 +70,6 @@ def linear(x: torch.Tensor, lin: LinearArgs) -> torch.Tensor:
     y = torch._scaled_mm(
         xq, lin.weight.t(), scale_a=lin.a_scale, scale_b=lin.w_scale, out_dtype=x.dtype, use_fast_accum=lin.fast_accum
     )
-    if lin.part_scale is not None:
-        y = torch.cat([(p * r).to(x.dtype) for p, r in zip(y.chunk(len(lin.part_scale), -1), lin.part_scale, strict=True)], -1)
     return y[:m].reshape(*shape[:-1], -1)
 
 
@@ -134,9 +131,9 @@ class Linear(nn.Module):
 
 class Fp8Linear(Linear):
     """y = fp8(x / a) @ fp8(W)^T * a * w with calibrated static scales (see `linear`);
-    w_scale has one entry per part of the rows (fc|gate: two). fold_parts: the GEMM path leaves
-    the parts at the first one's scale, for the consumer to fold in (gate_up, see `layer_linears`);
-    in_scale: what the GEMM path divides x by instead of a_scale (proj: a_scale / up's ratio)."""
+    w_scale has one entry per part of the rows (fc|gate: two; the GEMM path runs at the first's,
+    see `layer_linears`); in_scale: what the GEMM path divides x by instead of a_scale (proj:
+    a_scale / up's ratio)."""
 
     def __init__(
         self,
@@ -145,11 +142,10 @@ class Fp8Linear(Linear):
         a_scale: torch.Tensor,
         dtype: torch.dtype,
         fast_accum: bool = False,
-        fold_parts: bool = False,
         in_scale: torch.Tensor | None = None,
     ):
         nn.Module.__init__(self)
-        self.fast_accum, self.fold_parts = fast_accum, fold_parts
+        self.fast_accum = fast_accum
         self.register_buffer("weight", weight)
         self.register_buffer("w_scale", w_scale.float().reshape(-1))
         self.register_buffer("a_scale", a_scale.float().reshape(1))
@@ -157,8 +153,6 @@ class Fp8Linear(Linear):
         self.register_buffer("w_deq", None if weight.is_cuda else (weight.float() * self.row_scale()).to(dtype))
         self.register_buffer("out_scale", self.a_scale * self.w_scale)
         self.register_buffer("gemm_scale", self.w_scale[:1].clone())
-        ratios = self.w_scale / self.gemm_scale
-        self.part_scale = tuple(r.reshape(1) for r in ratios) if len(ratios) > 1 else None  # r[0] = 1: exact
 
     def row_scale(self) -> torch.Tensor:
         """[N, 1]: each output row's weight scale."""
@@ -171,11 +165,7 @@ class Fp8Linear(Linear):
 
     def gemm_args(self) -> LinearArgs:
         """What the FP8 GEMM (torch._scaled_mm) reads: CUDA's path, also runnable on CPU."""
-        part_scale = None if self.fold_parts else self.part_scale
-        return LinearArgs(
-            self.weight, self.a_scale, self.gemm_scale, part_scale, self.fast_accum, self.weight, self.out_scale,
-            self.in_scale,
-        )  # fmt: skip
+        return LinearArgs(self.weight, self.a_scale, self.gemm_scale, self.fast_accum, self.weight, self.out_scale, self.in_scale)
 
 
 def layer_linears(
@@ -204,10 +194,10 @@ def layer_linears(
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
     gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
-    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum, fold_parts=True)
+    out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum)
     # the GEMM path's gate_up output has up at fc's scale, short of its own by r = w_gate / w_fc;
     # proj's input is silu(fc) * up, linear in up, so dividing it by a_proj / r restores it
     w_proj, a_proj = scales("mlp.proj")
-    r = out["mlp.gate_up"].part_scale[1]
-    out["mlp.proj"] = Fp8Linear(weight("mlp.proj"), w_proj, a_proj, dtype, fast_accum, in_scale=a_proj.float().reshape(1) / r)
+    in_scale = a_proj.float() / (w_gate.float() / w_fc.float())
+    out["mlp.proj"] = Fp8Linear(weight("mlp.proj"), w_proj, a_proj, dtype, fast_accum, in_scale=in_scale)
     return out
