@@ -30,6 +30,7 @@ from benchmarks.probe_parts import (
     kernel_summary,
     loop,
     loop_line,
+    pdl_ab,
     resident_ab,
     steady_key,
     vocoder_times,
@@ -262,7 +263,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
+    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "pdlab": pdl_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -295,7 +296,8 @@ def main() -> None:
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), "
         "defer (the text branch deferred to the next text-mode step), "
-        "deferab / gluab / resab (decode A/Bs: deferred text fill, GLU, resident GEMV), "
+        "deferab / gluab / resab / pdlab (decode A/Bs: deferred text fill, GLU, resident GEMV, programmatic "
+        "dependent launch), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "

@@ -216,6 +216,43 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return interleaved_ab(engine, ids, dev, {"glu": setting(True), "silu_prologue": setting(False)})
 
 
+def pdl_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """Our kernels (GEMV, decode attention, its combine) launched as programmatic dependents,
+    each waiting for the kernel before and then letting the next launch, the GEMV's first
+    weight tile and attention's first cache block loaded before that wait; against plain
+    launches (probe 29)."""
+    from workflow.cudagraphs import Graphs
+    from workflow.engines import attention, gemv
+
+    def setting(pdl: bool) -> Callable[[], None]:
+        graphs = Graphs(dev)
+
+        def apply() -> None:
+            gemv.PDL = attention.PDL = pdl
+            engine.graphs = graphs
+
+        return apply
+
+    settings = {"pdl": setting(True), "plain": setting(False)}
+    out = interleaved_ab(engine, ids, dev, settings)
+    # each GEMV use's tuned block, 20 calls back to back in a graph as `gemv.tune` times it, with and without
+    chain: dict[str, dict[str, list[float]]] = {}
+    for w, fl in engine.gemv_uses() if dev.type == "cuda" else []:
+        name = gemv.key(*w.shape, w.element_size(), fl)
+        if name in chain:
+            continue
+        copies, x, act, args = gemv.use_inputs(w, fl)
+        block = gemv.config_for(*w.shape, w.element_size(), fl)
+        for pdl in (True, False, True, False):
+            gemv.PDL = pdl
+            us = 1000 * gemv.timed(x, copies, act, block, args, 20)
+            chain.setdefault(name, {}).setdefault(str(pdl), []).append(round(us, 2))
+        del copies
+    settings["plain"]()
+    out["chain_us"] = chain  # {use: {"True": [us, us], "False": [us, us]}}
+    return out
+
+
 def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     """The GEMV's blocks tuned with the resident body offered (as built) against tuned without
     it, each setting's blocks captured in its own graphs; and each use's tuned time both ways."""

@@ -41,6 +41,7 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
+PDL = False  # CUDA, compute capability 9.0 on: launched as programmatic dependents (gemv.after_predecessors)
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -59,6 +60,19 @@ def choose_splits(batch: int, kv_heads: int, kv_len: int, device: torch.device) 
 
 
 if triton is not None:
+    from workflow.engines.gemv import after_predecessors
+
+    @triton.jit
+    def _cache_block(kc, vc, s, hi, pos, c_ss, D: tl.constexpr, KV_LEN: tl.constexpr):
+        """K's two halves [D/2, BLOCK_S] and V [BLOCK_S, D] of cache rows s, masked past pos,
+        the slice's end hi and KV_LEN."""
+        D2: tl.constexpr = D // 2
+        d2, d = tl.arange(0, D2), tl.arange(0, D)
+        ok = (s < pos) & (s < KV_LEN) & (s < hi)
+        kt = kc + s[None, :] * c_ss + d2[:, None]
+        k1t = tl.load(kt, mask=ok[None, :], other=0.0)
+        k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
+        return k1t, k2t, tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0), ok
 
     @triton.jit
     def _norm_rope(x1, x2, w_ptr, cos, sin, eps, D: tl.constexpr, D2: tl.constexpr):
@@ -78,13 +92,18 @@ if triton is not None:
         qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr, QUANT: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
         g, d2, d = tl.arange(0, GP), tl.arange(0, D2), tl.arange(0, D)
         g_ok = g < G
         pos = tl.load(pos_ptr).to(tl.int32)
+        kc, vc = kc_ptr + b * c_sb + kvh * c_sh, vc_ptr + b * c_sb + kvh * c_sh
+        lo = split * SPLIT_LEN
+        if PDL:  # rows < pos were written steps ago: the slice's first block streams in while qkv's GEMV finishes
+            k1t, k2t, v, ok = _cache_block(kc, vc, lo + tl.arange(0, BLOCK_S), lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+            after_predecessors()
         cos, sin = tl.load(cos_ptr + d2), tl.load(sin_ptr + d2)
         row = qkv_ptr + b * qkv_stride
         q_ptrs = row + (kvh * G + g)[:, None] * D + d2[None, :]
@@ -95,33 +114,44 @@ if triton is not None:
         k_row = row + (H + kvh) * D
         k1, k2 = _norm_rope(tl.load(k_row + d2)[None, :], tl.load(k_row + D2 + d2)[None, :], kn_ptr, cos, sin, eps, D, D2)
         v_new = tl.load(row + (H + HKV + kvh) * D + d)
-        kc, vc = kc_ptr + b * c_sb + kvh * c_sh, vc_ptr + b * c_sb + kvh * c_sh
         writer = split == 0  # no program reads row pos from the cache, so any one may write it
         tl.store(kc + pos * c_ss + d2[None, :], k1, mask=writer & (d2 < D2)[None, :])
         tl.store(kc + pos * c_ss + D2 + d2[None, :], k2, mask=writer & (d2 < D2)[None, :])
         tl.store(vc + pos * c_ss + d, v_new, mask=writer & (d < D))
         # the new token starts the online softmax of the program whose slice holds pos
-        lo = split * SPLIT_LEN
         own = (pos >= lo) & (pos < lo + SPLIT_LEN)
         s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)
         m_i = tl.where(own, s_new * qk_scale, -1.0e30)  # finite: a slice with nothing left gives no NaN
         l_i = tl.where(own, 1.0, 0.0) + tl.zeros((GP,), tl.float32)
         acc = tl.where(own, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros((GP, D), tl.float32)
-        for i in range(0, SPLIT_LEN // BLOCK_S):
-            s = lo + i * BLOCK_S + tl.arange(0, BLOCK_S)
-            ok = (s < pos) & (s < KV_LEN)  # rows beyond pos are never read (they may hold anything)
-            kt = kc + s[None, :] * c_ss + d2[:, None]
-            k1t = tl.load(kt, mask=ok[None, :], other=0.0)
-            k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
-            qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
-            qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
-            v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+        if PDL:  # each block's scores and values, then the next block's load (one block ahead)
+            for i in range(0, SPLIT_LEN // BLOCK_S):
+                qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
+                qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+                s = lo + (i + 1) * BLOCK_S + tl.arange(0, BLOCK_S)
+                k1t, k2t, v, ok = _cache_block(kc, vc, s, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+        else:
+            for i in range(0, SPLIT_LEN // BLOCK_S):
+                s = lo + i * BLOCK_S + tl.arange(0, BLOCK_S)
+                ok = (s < pos) & (s < KV_LEN)  # rows beyond pos are never read (they may hold anything)
+                kt = kc + s[None, :] * c_ss + d2[:, None]
+                k1t = tl.load(kt, mask=ok[None, :], other=0.0)
+                k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
+                qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
+                qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
+                v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
         h = kvh * G + g
         if SPLITS == 1:
             y = _output(acc / l_i[:, None], quant_ptr, qkv_ptr.dtype.element_ty, QUANT)
@@ -136,8 +166,11 @@ if triton is not None:
     def _combine(
         y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
         H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """y of one (sequence, head) from its SPLITS partial softmaxes."""
+        if PDL:
+            after_predecessors()
         bh = tl.program_id(0) * H + tl.program_id(1)
         sp, d = tl.arange(0, SP), tl.arange(0, D)
         ok = sp < SPLITS
@@ -206,17 +239,19 @@ def launch(
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
     g = h // hkv
+    pdl = PDL and qkv.is_cuda
+    pdl_kw = {"launch_pdl": True} if pdl else {}
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
         H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        QUANT=quant is not None, num_warps=num_warps,
+        QUANT=quant is not None, PDL=pdl, num_warps=num_warps, **pdl_kw,
     )  # fmt: skip
     if splits > 1:
         _combine[(b, h)](
             y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
-            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
+            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, PDL=pdl, num_warps=4, **pdl_kw,
         )  # fmt: skip
     return y
 
