@@ -57,7 +57,7 @@ DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
-PDL = False  # CUDA, compute capability 9.0 on: launched as programmatic dependents (see `after_predecessors`)
+PDL: frozenset[str] = frozenset()  # key()s of the uses launched as programmatic dependents (`after_predecessors`)
 
 
 def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
@@ -362,7 +362,7 @@ def launch(
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
-    pdl = PDL and x.is_cuda
+    pdl = x.is_cuda and key(w.shape[0], k, w.element_size(), fl) in PDL
     _gemv[(programs,)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, w.shape[0] // parts, eps, programs,
