@@ -295,7 +295,7 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), "
-        "defer (the text branch deferred to the next text-mode step), "
+        "defer (the text branch deferred to the next text-mode step), pdl (programmatic dependent launch), "
         "deferab / gluab / resab / pdlab (decode A/Bs: deferred text fill, GLU, resident GEMV, programmatic "
         "dependent launch), "
         "callsplit (an engine call's pieces timed), "
@@ -356,7 +356,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            defer_text_fill="defer" in words,
+            defer_text_fill="defer" in words, pdl="pdl" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

@@ -217,34 +217,25 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
 
 def pdl_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """Our kernels (GEMV, decode attention, its combine) launched as programmatic dependents,
-    each waiting for the kernel before and then letting the next launch, the GEMV's first
-    weight tile and attention's first cache block loaded before that wait; against plain
-    launches, and against only qkv's and dense's GEMVs and attention so launched (probe 29)."""
+    """qkv's GEMV, decode attention (and its combine) and dense's GEMV launched as programmatic
+    dependents (`layer_step`'s pdl), against plain launches; then each GEMV use's tuned block,
+    20 calls back to back in a graph as `gemv.tune` times them, with and without (probe 29)."""
     from workflow.cudagraphs import Graphs
-    from workflow.engines import attention, gemv
+    from workflow.engines import gemv
 
-    uses = engine.gemv_uses()  # 4 a layer (qkv, dense, gate_up, proj), then the two heads
-    every = frozenset(gemv.key(*w.shape, w.element_size(), fl) for w, fl in uses)
-    qkv_dense = frozenset(gemv.key(*w.shape, w.element_size(), fl) for w, fl in uses[:2] + uses[-6:-4])  # trunk, branch
-
-    def setting(keys: frozenset[str], attn: bool) -> Callable[[], None]:
+    def setting(pdl: bool) -> Callable[[], None]:
         graphs = Graphs(dev)
 
         def apply() -> None:
-            gemv.PDL, attention.PDL = keys, attn
+            for layer in engine.layers:
+                layer.fused = (*layer.fused[:3], pdl)
             engine.graphs = graphs
 
         return apply
 
-    settings = {
-        "qkv_attn_dense": setting(qkv_dense, True),  # the uses probe 29 run 1's chains favoured, and attention
-        "plain": setting(frozenset(), False),
-        "all": setting(every, True),
-    }
+    built = "pdl" if engine.layers[0].fused[3] else "plain"
+    settings = {"pdl": setting(True), "plain": setting(False)}
     out = interleaved_ab(engine, ids, dev, settings)
-    out["qkv_attn_dense_uses"] = sorted(qkv_dense)
-    # each GEMV use's tuned block, 20 calls back to back in a graph as `gemv.tune` times it, with and without
     chain: dict[str, dict[str, list[float]]] = {}
     for w, fl in engine.gemv_uses() if dev.type == "cuda" else []:
         name = gemv.key(*w.shape, w.element_size(), fl)
@@ -253,11 +244,10 @@ def pdl_ab(engine, ids: Ids, dev: torch.device) -> dict:
         copies, x, act, args = gemv.use_inputs(w, fl)
         block = gemv.config_for(*w.shape, w.element_size(), fl)
         for pdl in (True, False, True, False):
-            gemv.PDL = frozenset([name]) if pdl else frozenset()
-            us = 1000 * gemv.timed(x, copies, act, block, args, 20)
+            us = 1000 * gemv.timed(x, copies, act, block, args | {"pdl": pdl}, 20)
             chain.setdefault(name, {}).setdefault(str(pdl), []).append(round(us, 2))
         del copies
-    settings["plain"]()
+    settings[built]()  # as the engine was built
     out["chain_us"] = chain  # {use: {"True": [us, us], "False": [us, us]}}
     return out
 

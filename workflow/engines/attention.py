@@ -10,14 +10,17 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
   RMSNorms and rope with the roundings of `rms_norm` and `rope` (float32 math, cast to the
   input dtype at the same points), and writes the new k and v into the caches at `pos`;
 - body: streams the cached K and V of positions < pos in BLOCK_S chunks with an online
-  (float32) softmax; the new token's own score and value come from registers, never from the
-  cache row just written, so no program reads what another one writes;
+  (float32) softmax, each block's load issued one block ahead (the first at the kernel's
+  start: those rows were written steps ago); the new token's own score and value come from
+  registers, never from the cache row just written, so no program reads what another one writes;
 - split-S (flash-decoding, `splits` > 1): SPLITS programs per (sequence, kv head), each over a
   slice of the positions, write partial max / sum / accumulator to a float32 scratch, and a
   small second kernel combines them. At batch 1 there are only Hkv programs otherwise;
 - epilogue: y rounded to the input dtype, as SDPA's output is; with `quant` (dense's FP8
   activation scale) then quantized as `fp8.quantize` does, so no quantize kernel runs between
-  attention and dense's GEMV.
+  attention and dense's GEMV;
+- pdl (`gemv.after_predecessors`): both kernels launched as programmatic dependents, the
+  first cache block loaded before the wait for qkv's GEMV.
 
 Measured on an H100 (bf16, Hkv 8, G 4, D 128, in a CUDA graph): 4.2-4.6 us at kv_len 128 (one
 kernel); at kv_len 1024 / 4096 one kernel takes 13-17 / 43-59 us at batch 1, 16 splits 6 / 9 us;
@@ -41,7 +44,6 @@ except ImportError:  # the engine works without it (SDPA)
     triton = None
 
 BLOCK_S, NUM_WARPS = 64, 4  # defaults; to be tuned on the GPU
-PDL = False  # CUDA, compute capability 9.0 on: launched as programmatic dependents (gemv.after_predecessors)
 ACT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
 
 
@@ -101,8 +103,9 @@ if triton is not None:
         pos = tl.load(pos_ptr).to(tl.int32)
         kc, vc = kc_ptr + b * c_sb + kvh * c_sh, vc_ptr + b * c_sb + kvh * c_sh
         lo = split * SPLIT_LEN
-        if PDL:  # rows < pos were written steps ago: the slice's first block streams in while qkv's GEMV finishes
-            k1t, k2t, v, ok = _cache_block(kc, vc, lo + tl.arange(0, BLOCK_S), lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+        # rows < pos were written steps ago: the slice's first block streams in at once (pdl: while qkv's GEMV ends)
+        k1t, k2t, v, ok = _cache_block(kc, vc, lo + tl.arange(0, BLOCK_S), lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+        if PDL:
             after_predecessors()
         cos, sin = tl.load(cos_ptr + d2), tl.load(sin_ptr + d2)
         row = qkv_ptr + b * qkv_stride
@@ -124,34 +127,17 @@ if triton is not None:
         m_i = tl.where(own, s_new * qk_scale, -1.0e30)  # finite: a slice with nothing left gives no NaN
         l_i = tl.where(own, 1.0, 0.0) + tl.zeros((GP,), tl.float32)
         acc = tl.where(own, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros((GP, D), tl.float32)
-        if PDL:  # each block's scores and values, then the next block's load (one block ahead)
-            for i in range(0, SPLIT_LEN // BLOCK_S):
-                qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
-                qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
-                s = lo + (i + 1) * BLOCK_S + tl.arange(0, BLOCK_S)
-                k1t, k2t, v, ok = _cache_block(kc, vc, s, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
-        else:
-            for i in range(0, SPLIT_LEN // BLOCK_S):
-                s = lo + i * BLOCK_S + tl.arange(0, BLOCK_S)
-                ok = (s < pos) & (s < KV_LEN)  # rows beyond pos are never read (they may hold anything)
-                kt = kc + s[None, :] * c_ss + d2[:, None]
-                k1t = tl.load(kt, mask=ok[None, :], other=0.0)
-                k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
-                qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
-                qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
-                v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
+        for i in range(0, SPLIT_LEN // BLOCK_S):  # each block's scores and values, then the next block's load
+            qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
+            qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            s = lo + (i + 1) * BLOCK_S + tl.arange(0, BLOCK_S)  # the slice's next block (past its end: masked)
+            k1t, k2t, v, ok = _cache_block(kc, vc, s, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
         h = kvh * G + g
         if SPLITS == 1:
             y = _output(acc / l_i[:, None], quant_ptr, qkv_ptr.dtype.element_ty, QUANT)
@@ -218,12 +204,14 @@ def launch(
     block_s: int = BLOCK_S,
     num_warps: int = NUM_WARPS,
     quant: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y [B, 1, H*D] for qkv [B, 1, (H + 2 Hkv) D]; writes the new k, v into the caches
     [Bmax, Hkv, S, D] at pos (int64 [1], shared by the batch). Attends to positions < kv_len
     that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
     combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
-    float8_e4m3fn input."""
+    float8_e4m3fn input. pdl: both kernels launched as programmatic dependents
+    (`gemv.after_predecessors`), each program's first cache block loaded before the wait."""
     b, t, width = qkv.shape
     _, hkv, seq, d = k_cache.shape
     h = width // d - 2 * hkv
@@ -239,8 +227,7 @@ def launch(
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
     g = h // hkv
-    pdl = PDL and qkv.is_cuda
-    pdl_kw = {"launch_pdl": True} if pdl else {}
+    pdl_kw = {"launch_pdl": True} if pdl and qkv.is_cuda else {}
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
@@ -261,6 +248,6 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: two cac
 
     @decode_attention.register_fake
     def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S,
-          num_warps=NUM_WARPS, quant=None):  # fmt: skip
+          num_warps=NUM_WARPS, quant=None, pdl=False):  # fmt: skip
         h = qkv.shape[-1] // k_cache.shape[-1] - 2 * k_cache.shape[1]
         return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1], dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)

@@ -25,6 +25,12 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
   the two, it brought nothing: benchmarks/results/2026-11-22-h100-probe17).
 
+With `pdl` (qkv's and dense's GEMVs, beside decode attention: `torch_engine.layer_step`) a
+launch is a programmatic dependent: it starts while the kernel before finishes, and the
+resident body loads its first weight tile before waiting for it (`after_predecessors`; bf16
+decode -0.10 ms a step on an H100; gate_up's and proj's GEMVs were slower so launched:
+benchmarks/results/2026-11-24-h100-probe29).
+
 The block sizes come from `config_for`: chosen by `tune` on the target GPU at build, per weight
 shape and prologue/epilogue, and stored in engine.json. Without a GPU the kernel runs under
 Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it against torch.
@@ -57,7 +63,6 @@ DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
-PDL: frozenset[str] = frozenset()  # key()s of the uses launched as programmatic dependents (`after_predecessors`)
 
 
 def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
@@ -337,13 +342,15 @@ def launch(
     silu_mul: bool = False,
     block: list[int] | None = None,
     glu: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
     up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
     num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
-    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
+    resident body with that many programs a multiprocessor (BLOCK_K >= K); pdl: launched as a
+    programmatic dependent (`after_predecessors`; CUDA, compute capability 9.0 on)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -362,7 +369,6 @@ def launch(
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
-    pdl = x.is_cuda and key(w.shape[0], k, w.element_size(), fl) in PDL
     _gemv[(programs,)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, w.shape[0] // parts, eps, programs,
@@ -370,7 +376,7 @@ def launch(
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
         GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), PDL=pdl,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **({"launch_pdl": True} if pdl and x.is_cuda else {}),
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
@@ -380,5 +386,5 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
 
     @gemv.register_fake
     def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
-          glu=False):  # fmt: skip
+          glu=False, pdl=False):  # fmt: skip
         return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)
