@@ -10,17 +10,17 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
   RMSNorms and rope with the roundings of `rms_norm` and `rope` (float32 math, cast to the
   input dtype at the same points), and writes the new k and v into the caches at `pos`;
 - body: streams the cached K and V of positions < pos in BLOCK_S chunks with an online
-  (float32) softmax, each block's load issued one block ahead (the first at the kernel's
-  start: those rows were written steps ago); the new token's own score and value come from
-  registers, never from the cache row just written, so no program reads what another one writes;
+  (float32) softmax; the new token's own score and value come from registers, never from the
+  cache row just written, so no program reads what another one writes;
 - split-S (flash-decoding, `splits` > 1): SPLITS programs per (sequence, kv head), each over a
   slice of the positions, write partial max / sum / accumulator to a float32 scratch, and a
   small second kernel combines them. At batch 1 there are only Hkv programs otherwise;
 - epilogue: y rounded to the input dtype, as SDPA's output is; with `quant` (dense's FP8
   activation scale) then quantized as `fp8.quantize` does, so no quantize kernel runs between
   attention and dense's GEMV;
-- pdl (`gemv.after_predecessors`): both kernels launched as programmatic dependents, the
-  first cache block loaded before the wait for qkv's GEMV.
+- pdl (`gemv.after_predecessors`): both kernels launched as programmatic dependents; the
+  first cache block is loaded before the wait for qkv's GEMV (those rows were written steps
+  ago), and each next block's load issued one block ahead.
 
 Measured on an H100 (bf16, Hkv 8, G 4, D 128, in a CUDA graph): 4.2-4.6 us at kv_len 128 (one
 kernel); at kv_len 1024 / 4096 one kernel takes 13-17 / 43-59 us at batch 1, 16 splits 6 / 9 us;
@@ -77,6 +77,17 @@ if triton is not None:
         return k1t, k2t, tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0), ok
 
     @triton.jit
+    def _attend(q1, q2, k1t, k2t, v, ok, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+        """One cache block into the online softmax: scores of the rows ok, then their values."""
+        qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
+        qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+    @triton.jit
     def _norm_rope(x1, x2, w_ptr, cos, sin, eps, D: tl.constexpr, D2: tl.constexpr):
         """RMSNorm then rope of rows given as halves [R, D/2], rounded as rms_norm and rope."""
         dt = x1.dtype
@@ -103,9 +114,8 @@ if triton is not None:
         pos = tl.load(pos_ptr).to(tl.int32)
         kc, vc = kc_ptr + b * c_sb + kvh * c_sh, vc_ptr + b * c_sb + kvh * c_sh
         lo = split * SPLIT_LEN
-        # rows < pos were written steps ago: the slice's first block streams in at once (pdl: while qkv's GEMV ends)
-        k1t, k2t, v, ok = _cache_block(kc, vc, lo + tl.arange(0, BLOCK_S), lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
-        if PDL:
+        if PDL:  # rows < pos were written steps ago: the slice's first block streams in while qkv's GEMV ends
+            k1t, k2t, v, ok = _cache_block(kc, vc, lo + tl.arange(0, BLOCK_S), lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
             after_predecessors()
         cos, sin = tl.load(cos_ptr + d2), tl.load(sin_ptr + d2)
         row = qkv_ptr + b * qkv_stride
@@ -127,17 +137,13 @@ if triton is not None:
         m_i = tl.where(own, s_new * qk_scale, -1.0e30)  # finite: a slice with nothing left gives no NaN
         l_i = tl.where(own, 1.0, 0.0) + tl.zeros((GP,), tl.float32)
         acc = tl.where(own, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros((GP, D), tl.float32)
-        for i in range(0, SPLIT_LEN // BLOCK_S):  # each block's scores and values, then the next block's load
-            qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
-            qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            s = lo + (i + 1) * BLOCK_S + tl.arange(0, BLOCK_S)  # the slice's next block (past its end: masked)
-            k1t, k2t, v, ok = _cache_block(kc, vc, s, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+        for i in range(0, SPLIT_LEN // BLOCK_S):
+            s = lo + i * BLOCK_S + tl.arange(0, BLOCK_S)
+            if not PDL:
+                k1t, k2t, v, ok = _cache_block(kc, vc, s, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+            m_i, l_i, acc = _attend(q1, q2, k1t, k2t, v, ok, m_i, l_i, acc, qk_scale, PRECISION)
+            if PDL:  # the next block's load, one block ahead (past the slice's end: masked)
+                k1t, k2t, v, ok = _cache_block(kc, vc, s + BLOCK_S, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
         h = kvh * G + g
         if SPLITS == 1:
             y = _output(acc / l_i[:, None], quant_ptr, qkv_ptr.dtype.element_ty, QUANT)

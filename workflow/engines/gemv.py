@@ -28,8 +28,8 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 With `pdl` (qkv's and dense's GEMVs, beside decode attention: `torch_engine.layer_step`) a
 launch is a programmatic dependent: it starts while the kernel before finishes, and the
 resident body loads its first weight tile before waiting for it (`after_predecessors`; bf16
-decode -0.10 ms a step on an H100; gate_up's and proj's GEMVs were slower so launched:
-benchmarks/results/2026-11-24-h100-probe29).
+decode -0.10 ms a step on an H100, +0.06 ms on an H200; gate_up's and proj's GEMVs were slower
+so launched: benchmarks/results/2026-11-24-h100-probe29).
 
 The block sizes come from `config_for`: chosen by `tune` on the target GPU at build, per weight
 shape and prologue/epilogue, and stored in engine.json. Without a GPU the kernel runs under

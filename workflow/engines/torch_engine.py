@@ -90,8 +90,9 @@ def layer_step(
     there the epilogue cost more than the kernel it saves, probe 17); pdl: with both kernels,
     qkv's GEMV, attention, its combine and dense's GEMV launched as programmatic dependents,
     each starting while the one before finishes (the GEMV loading its weights, attention its
-    cache, before they wait): bf16 decode -0.10 ms a step on an H100, and launched so, gate_up's
-    and proj's GEMVs were slower (benchmarks/results/2026-11-24-h100-probe29)."""
+    cache, before they wait): bf16 decode -0.10 ms a step on an H100 but +0.06 ms on an H200, FP8
+    unchanged on both; launched so, gate_up's and proj's GEMVs were slower
+    (benchmarks/results/2026-11-24-h100-probe29)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps, pdl=pdl)
