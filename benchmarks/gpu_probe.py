@@ -30,7 +30,6 @@ from benchmarks.probe_parts import (
     kernel_summary,
     loop,
     loop_line,
-    pdl_ab,
     resident_ab,
     steady_key,
     vocoder_times,
@@ -263,7 +262,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "pdlab": pdl_ab, "callsplit": call_split}
+    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -295,9 +294,8 @@ def main() -> None:
         "fp8 compile+graphs+gemv",
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), "
-        "defer (the text branch deferred to the next text-mode step), pdl (programmatic dependent launch), "
-        "deferab / gluab / resab / pdlab (decode A/Bs: deferred text fill, GLU, resident GEMV, programmatic "
-        "dependent launch), "
+        "defer (the text branch deferred to the next text-mode step), "
+        "deferab / gluab / resab (decode A/Bs: deferred text fill, GLU, resident GEMV), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "
@@ -356,7 +354,7 @@ def main() -> None:
         return EngineOptions(
             DEV.type, dtype, 32, 1024, "graphs" in words, "compile" in words, "gemv" in words,
             gemv_blocks=tuned.get(tune_key(name)), decode_attention="attn" in words, fp8_fast_accum="fastacc" in words,
-            defer_text_fill="defer" in words, pdl="pdl" in words,
+            defer_text_fill="defer" in words,
         )  # fmt: skip
 
     def run(name: str, tensors) -> dict:

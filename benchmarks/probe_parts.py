@@ -216,42 +216,6 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return interleaved_ab(engine, ids, dev, {"glu": setting(True), "silu_prologue": setting(False)})
 
 
-def pdl_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """qkv's GEMV, decode attention (and its combine) and dense's GEMV launched as programmatic
-    dependents (`layer_step`'s pdl), against plain launches; then each GEMV use's tuned block,
-    20 calls back to back in a graph as `gemv.tune` times them, with and without (probe 29)."""
-    from workflow.cudagraphs import Graphs
-    from workflow.engines import gemv
-
-    def setting(pdl: bool) -> Callable[[], None]:
-        graphs = Graphs(dev)
-
-        def apply() -> None:
-            for layer in engine.layers:
-                layer.fused = (*layer.fused[:3], pdl)
-            engine.graphs = graphs
-
-        return apply
-
-    built = "pdl" if engine.layers[0].fused[3] else "plain"
-    settings = {"pdl": setting(True), "plain": setting(False)}
-    out = interleaved_ab(engine, ids, dev, settings)
-    chain: dict[str, dict[str, list[float]]] = {}
-    for w, fl in engine.gemv_uses() if dev.type == "cuda" else []:
-        name = gemv.key(*w.shape, w.element_size(), fl)
-        if name in chain:
-            continue
-        copies, x, act, args = gemv.use_inputs(w, fl)
-        block = gemv.config_for(*w.shape, w.element_size(), fl)
-        for pdl in (True, False, True, False):
-            us = 1000 * gemv.timed(x, copies, act, block, args | {"pdl": pdl}, 20)
-            chain.setdefault(name, {}).setdefault(str(pdl), []).append(round(us, 2))
-        del copies
-    settings[built]()  # as the engine was built
-    out["chain_us"] = chain  # {use: {"True": [us, us], "False": [us, us]}}
-    return out
-
-
 def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
     """The GEMV's blocks tuned with the resident body offered (as built) against tuned without
     it, each setting's blocks captured in its own graphs; and each use's tuned time both ways."""

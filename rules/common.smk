@@ -187,7 +187,6 @@ BUILD_FLAGS = {
     "decode_attention": "--decode-attention",
     "fp8_fast_accum": "--fp8-fast-accum",
     "defer_text_fill": "--defer-text-fill",
-    "pdl": "--pdl",
 }
 
 

@@ -60,26 +60,6 @@ def verify_params(**overrides) -> str:
     return json.dumps(p)
 
 
-@pytest.fixture
-def gdc(monkeypatch) -> dict[str, int]:
-    """Programmatic dependent launch's two instructions as counted no-ops: Triton's interpreter
-    cannot run their inline PTX, and with one program at a time there is nothing to wait for, so
-    a kernel's pdl path (loads moved ahead of the wait) runs here and must compute the same."""
-    import triton.language.extra.cuda as cuda
-
-    calls = {"wait": 0, "launch_dependents": 0}
-
-    def counted(name: str):
-        def instruction(*_, **__) -> None:
-            calls[name] += 1
-
-        return instruction
-
-    monkeypatch.setattr(cuda, "gdc_wait", counted("wait"))
-    monkeypatch.setattr(cuda, "gdc_launch_dependents", counted("launch_dependents"))
-    return calls
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -89,26 +89,6 @@ def test_rows_past_pos_do_not_count(splits):
         assert torch.allclose(dirty["k_cache"][:b, :, pos], clean["k_cache"][:b, :, pos], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("b", "g", "d", "kv_len", "pos", "splits", "block_s"), CASES[3:])
-def test_pdl_loads_a_block_ahead_and_computes_the_same(b, g, d, kv_len, pos, splits, block_s, gdc):
-    """pdl: each program's first cache block is loaded before the wait, then each block's load
-    comes one block ahead; y and both caches are bit for bit those of the plain kernels, with the
-    rows past pos (and the next slice's) holding NaN, which a load past its mask would spread."""
-    seq = kv_len + 64
-    args = make(b, g, d, seq, pos)
-    for name in ("k_cache", "v_cache"):
-        args[name][:, :, pos:] = float("nan")
-    runs = {}
-    for pdl in (False, True):
-        a = {k: v.clone() for k, v in args.items()}
-        runs[pdl] = (attention.launch(**a, kv_len=kv_len, eps=EPS, splits=splits, block_s=block_s, pdl=pdl), a)
-    (want, plain), (got, piped) = runs[False], runs[True]
-    assert not got.isnan().any() and torch.equal(got, want)
-    for name in ("k_cache", "v_cache"):
-        assert torch.equal(piped[name].nan_to_num(7.0), plain[name].nan_to_num(7.0)), name
-    assert gdc["wait"] > 0 and gdc["wait"] == gdc["launch_dependents"]
-
-
 @pytest.mark.parametrize("splits", [1, 2])
 def test_quant_gives_dense_its_fp8_input(splits):
     """With dense's activation scale, y comes out as fp8.quantize(y, a) would make it, in one

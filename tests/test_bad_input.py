@@ -298,9 +298,6 @@ CASES: dict[str, Callable[..., Bad]] = {
         "config: engine.defer_text_fill",
         "an option of the torch backend, not trtllm",
     ),
-    "pdl_without_our_kernels": build(
-        ["--pdl"], "config: engine.pdl", "launches the gemv and decode_attention kernels: turn both on"
-    ),
     "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),
     "unknown_precision": build(["--precision", "int4"], "config: engine", "unknown precision 'int4' (known: bf16, fp8)"),
     "precision_does_not_fit_checkpoint": build(

@@ -131,22 +131,6 @@ def test_resident_body_equals_torch(rows, block_n, per_sm):
         gemv.launch(x, w, torch.float32, block=(block_n, 128, 4, 0, 1))
 
 
-@pytest.mark.parametrize("block", [(1, 256, 4, 0, 1), (2, 256, 4, 0, 2), (4, 256, 4, 0, 4), (8, 64, 4, 1, 0), (8, 64, 4)])
-def test_pdl_computes_the_same_in_every_body(block, gdc):
-    """pdl: the resident body loads its first weight tile before the wait and each next tile
-    one column block ahead (strides of 1 to 5 here); the other bodies only wait first. The same
-    result, bit for bit, with every prologue and epilogue the engine uses."""
-    k, n = 200, 37
-    x, w, g, r = torch.randn(1, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(1, n)
-    w2 = torch.cat([w, w.flip(0)])
-    for call in (
-        lambda pdl: gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block, pdl=pdl),
-        lambda pdl: gemv.launch(x, w2, torch.float32, norm=g, eps=1e-6, glu=True, block=block, pdl=pdl),
-    ):
-        assert torch.equal(call(True), call(False))
-    assert gdc["wait"] > 0 and gdc["wait"] == gdc["launch_dependents"]
-
-
 def test_blocks_stored_before_the_deferred_body_still_load():
     """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps[, defer]): one program a
     column block."""
@@ -211,54 +195,6 @@ def test_fused_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf, fused
     _, engine = engines(tiny_engine_dir, **fused)
     assert_decode_matches_reference(engine, ref, batch=2, prompt_len=20, steps=4, seed=31)
     assert {name for name, c in counted.items() if c.n} == set(fused)
-
-
-def test_pdl_launches_qkv_attention_and_dense_as_dependents(tiny_engine_dir, gdc, monkeypatch):
-    """layer_step's pdl: qkv's and dense's GEMVs and decode attention launch as programmatic
-    dependents; gate_up's, proj's and the heads' GEMVs plainly (so launched they were slower,
-    probe 29); the logits are bit for bit those without. Off Hopper (here: the CPU) the engine
-    option leaves every launch plain."""
-    from workflow import traffic
-    from workflow.engines import attention
-    from workflow.generate import Ids
-
-    _, plain = engines(tiny_engine_dir, gemv=True, decode_attention=True)
-    _, piped = engines(tiny_engine_dir, gemv=True, decode_attention=True, pdl=True)
-    assert not any(layer.fused[3] for layer in piped.layers)  # the CPU: no PDL
-    for layer in piped.layers:
-        layer.fused = (*layer.fused[:3], True)  # as on an H100
-    launched: dict[int, set[bool]] = {}  # weight -> the pdl flags it was read with
-    attention_pdl: set[bool] = set()
-    real_gemv, real_attention = gemv.gemv, attention.decode_attention
-
-    def recorded_gemv(x, w, *args, pdl=False, **kw):
-        launched.setdefault(w.data_ptr(), set()).add(pdl)
-        return real_gemv(x, w, *args, pdl=pdl, **kw)
-
-    def recorded_attention(*args, pdl=False, **kw):
-        attention_pdl.add(pdl)
-        return real_attention(*args, pdl=pdl, **kw)
-
-    ids = Ids.of(plain.spec)
-    prompt, tok = traffic.batch(1, 12, ids, seed=8), traffic.batch(1, 1, ids, seed=9)[:, 0]
-    plain.prefill(prompt)
-    want = plain.decode(tok)
-    monkeypatch.setattr(gemv, "gemv", recorded_gemv)
-    monkeypatch.setattr(attention, "decode_attention", recorded_attention)
-    piped.prefill(prompt)
-    got = piped.decode(tok)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    for layer in piped.layers:
-        weights = {name: getattr(layer, name).args().weight.data_ptr() for name in ("qkv", "dense", "gate_up", "proj")}
-        assert {name: launched[ptr] for name, ptr in weights.items()} == {
-            "qkv": {True},
-            "dense": {True},
-            "gate_up": {False},
-            "proj": {False},
-        }
-    for head in (piped.lm_head, piped.audio_lm_head):
-        assert launched.get(head.weight.data_ptr(), {False}) == {False}
-    assert attention_pdl == {True} and gdc["wait"] > 0
 
 
 def test_fp8_fused_engine_matches_the_fp8_emulation(tiny_fp8_engine_dir):

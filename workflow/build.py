@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--defer-text-fill", action="store_true", help="torch backend: audio mode leaves the text branch to the next text step"
     )
-    ap.add_argument("--pdl", action="store_true", help="torch backend: decode's Triton kernels as programmatic dependents")
     args = ap.parse_args(argv)
     check_engine_config(args.backend, args.precision, args.device)
     for flag, on, kernel in (("gemv", args.gemv, gemv), ("decode_attention", args.decode_attention, attention)):
@@ -56,8 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     for flag, on in (("fp8_fast_accum", args.fp8_fast_accum), ("defer_text_fill", args.defer_text_fill)):
         if on and args.backend != "torch":
             raise InputError(f"config: engine.{flag}", f"an option of the torch backend, not {args.backend}")
-    if args.pdl and not (args.gemv and args.decode_attention):
-        raise InputError("config: engine.pdl", "launches the gemv and decode_attention kernels: turn both on")
     cfg, spec = trtckpt.read_config(args.ckpt)
     is_fp8 = trtckpt.quant_algo(cfg) == "FP8"
     if is_fp8 != (args.precision == "fp8"):
@@ -79,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
             "decode_attention": args.decode_attention,
             "fp8_fast_accum": args.fp8_fast_accum,
             "defer_text_fill": args.defer_text_fill,
-            "pdl": args.pdl,
         },
         "spec": spec.to_dict(),
         "versions": versions(),

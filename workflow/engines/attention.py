@@ -17,10 +17,7 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
   small second kernel combines them. At batch 1 there are only Hkv programs otherwise;
 - epilogue: y rounded to the input dtype, as SDPA's output is; with `quant` (dense's FP8
   activation scale) then quantized as `fp8.quantize` does, so no quantize kernel runs between
-  attention and dense's GEMV;
-- pdl (`gemv.after_predecessors`): both kernels launched as programmatic dependents; the
-  first cache block is loaded before the wait for qkv's GEMV (those rows were written steps
-  ago), and each next block's load issued one block ahead.
+  attention and dense's GEMV.
 
 Measured on an H100 (bf16, Hkv 8, G 4, D 128, in a CUDA graph): 4.2-4.6 us at kv_len 128 (one
 kernel); at kv_len 1024 / 4096 one kernel takes 13-17 / 43-59 us at batch 1, 16 splits 6 / 9 us;
@@ -62,30 +59,6 @@ def choose_splits(batch: int, kv_heads: int, kv_len: int, device: torch.device) 
 
 
 if triton is not None:
-    from workflow.engines.gemv import after_predecessors
-
-    @triton.jit
-    def _cache_block(kc, vc, s, hi, pos, c_ss, D: tl.constexpr, KV_LEN: tl.constexpr):
-        """K's two halves [D/2, BLOCK_S] and V [BLOCK_S, D] of cache rows s, masked past pos,
-        the slice's end hi and KV_LEN."""
-        D2: tl.constexpr = D // 2
-        d2, d = tl.arange(0, D2), tl.arange(0, D)
-        ok = (s < pos) & (s < KV_LEN) & (s < hi)
-        kt = kc + s[None, :] * c_ss + d2[:, None]
-        k1t = tl.load(kt, mask=ok[None, :], other=0.0)
-        k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
-        return k1t, k2t, tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0), ok
-
-    @triton.jit
-    def _attend(q1, q2, k1t, k2t, v, ok, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-        """One cache block into the online softmax: scores of the rows ok, then their values."""
-        qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
-        qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
     @triton.jit
     def _norm_rope(x1, x2, w_ptr, cos, sin, eps, D: tl.constexpr, D2: tl.constexpr):
@@ -105,18 +78,13 @@ if triton is not None:
         qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
-        PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         D2: tl.constexpr = D // 2
         g, d2, d = tl.arange(0, GP), tl.arange(0, D2), tl.arange(0, D)
         g_ok = g < G
         pos = tl.load(pos_ptr).to(tl.int32)
-        kc, vc = kc_ptr + b * c_sb + kvh * c_sh, vc_ptr + b * c_sb + kvh * c_sh
-        lo = split * SPLIT_LEN
-        if PDL:  # rows < pos were written steps ago: the slice's first block streams in while qkv's GEMV ends
-            k1t, k2t, v, ok = _cache_block(kc, vc, lo + tl.arange(0, BLOCK_S), lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
-            after_predecessors()
         cos, sin = tl.load(cos_ptr + d2), tl.load(sin_ptr + d2)
         row = qkv_ptr + b * qkv_stride
         q_ptrs = row + (kvh * G + g)[:, None] * D + d2[None, :]
@@ -127,11 +95,13 @@ if triton is not None:
         k_row = row + (H + kvh) * D
         k1, k2 = _norm_rope(tl.load(k_row + d2)[None, :], tl.load(k_row + D2 + d2)[None, :], kn_ptr, cos, sin, eps, D, D2)
         v_new = tl.load(row + (H + HKV + kvh) * D + d)
+        kc, vc = kc_ptr + b * c_sb + kvh * c_sh, vc_ptr + b * c_sb + kvh * c_sh
         writer = split == 0  # no program reads row pos from the cache, so any one may write it
         tl.store(kc + pos * c_ss + d2[None, :], k1, mask=writer & (d2 < D2)[None, :])
         tl.store(kc + pos * c_ss + D2 + d2[None, :], k2, mask=writer & (d2 < D2)[None, :])
         tl.store(vc + pos * c_ss + d, v_new, mask=writer & (d < D))
         # the new token starts the online softmax of the program whose slice holds pos
+        lo = split * SPLIT_LEN
         own = (pos >= lo) & (pos < lo + SPLIT_LEN)
         s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)
         m_i = tl.where(own, s_new * qk_scale, -1.0e30)  # finite: a slice with nothing left gives no NaN
@@ -139,11 +109,19 @@ if triton is not None:
         acc = tl.where(own, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros((GP, D), tl.float32)
         for i in range(0, SPLIT_LEN // BLOCK_S):
             s = lo + i * BLOCK_S + tl.arange(0, BLOCK_S)
-            if not PDL:
-                k1t, k2t, v, ok = _cache_block(kc, vc, s, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
-            m_i, l_i, acc = _attend(q1, q2, k1t, k2t, v, ok, m_i, l_i, acc, qk_scale, PRECISION)
-            if PDL:  # the next block's load, one block ahead (past the slice's end: masked)
-                k1t, k2t, v, ok = _cache_block(kc, vc, s + BLOCK_S, lo + SPLIT_LEN, pos, c_ss, D, KV_LEN)
+            ok = (s < pos) & (s < KV_LEN)  # rows beyond pos are never read (they may hold anything)
+            kt = kc + s[None, :] * c_ss + d2[:, None]
+            k1t = tl.load(kt, mask=ok[None, :], other=0.0)
+            k2t = tl.load(kt + D2, mask=ok[None, :], other=0.0)
+            qk = tl.dot(q1, k1t, input_precision=PRECISION) + tl.dot(q2, k2t, input_precision=PRECISION)
+            qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(ok[None, :], tl.exp2(qk - m_new[:, None]), 0.0)
+            v = tl.load(vc + s[:, None] * c_ss + d[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
         h = kvh * G + g
         if SPLITS == 1:
             y = _output(acc / l_i[:, None], quant_ptr, qkv_ptr.dtype.element_ty, QUANT)
@@ -158,11 +136,8 @@ if triton is not None:
     def _combine(
         y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
         H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-        PDL: tl.constexpr,
     ):  # fmt: skip
         """y of one (sequence, head) from its SPLITS partial softmaxes."""
-        if PDL:
-            after_predecessors()
         bh = tl.program_id(0) * H + tl.program_id(1)
         sp, d = tl.arange(0, SP), tl.arange(0, D)
         ok = sp < SPLITS
@@ -210,14 +185,12 @@ def launch(
     block_s: int = BLOCK_S,
     num_warps: int = NUM_WARPS,
     quant: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """y [B, 1, H*D] for qkv [B, 1, (H + 2 Hkv) D]; writes the new k, v into the caches
     [Bmax, Hkv, S, D] at pos (int64 [1], shared by the batch). Attends to positions < kv_len
     that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
     combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
-    float8_e4m3fn input. pdl: both kernels launched as programmatic dependents
-    (`gemv.after_predecessors`), each program's first cache block loaded before the wait."""
+    float8_e4m3fn input."""
     b, t, width = qkv.shape
     _, hkv, seq, d = k_cache.shape
     h = width // d - 2 * hkv
@@ -233,18 +206,17 @@ def launch(
     parts = torch.empty(b * h * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     m, l_, acc = parts[: b * h * splits], parts[b * h * splits : 2 * b * h * splits], parts[2 * b * h * splits :]
     g = h // hkv
-    pdl_kw = {"launch_pdl": True} if pdl and qkv.is_cuda else {}
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
         H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        QUANT=quant is not None, PDL=pdl, num_warps=num_warps, **pdl_kw,
+        QUANT=quant is not None, num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _combine[(b, h)](
             y, m, l_, acc, qkv if quant is None else quant, H=h, D=d, SPLITS=splits, SP=triton.next_power_of_2(splits),
-            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, PDL=pdl, num_warps=4, **pdl_kw,
+            ACT=ACT_TYPES[qkv.dtype], QUANT=quant is not None, num_warps=4,
         )  # fmt: skip
     return y
 
@@ -254,6 +226,6 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: two cac
 
     @decode_attention.register_fake
     def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, kv_len, eps, splits=0, block_s=BLOCK_S,
-          num_warps=NUM_WARPS, quant=None, pdl=False):  # fmt: skip
+          num_warps=NUM_WARPS, quant=None):  # fmt: skip
         h = qkv.shape[-1] // k_cache.shape[-1] - 2 * k_cache.shape[1]
         return qkv.new_empty(qkv.shape[0], 1, h * k_cache.shape[-1], dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)

@@ -25,12 +25,6 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
   the two, it brought nothing: benchmarks/results/2026-11-22-h100-probe17).
 
-With `pdl` (qkv's and dense's GEMVs, beside decode attention: `torch_engine.layer_step`) a
-launch is a programmatic dependent: it starts while the kernel before finishes, and the
-resident body loads its first weight tile before waiting for it (`after_predecessors`; bf16
-decode -0.10 ms a step on an H100, +0.06 ms on an H200; gate_up's and proj's GEMVs were slower
-so launched: benchmarks/results/2026-11-24-h100-probe29).
-
 The block sizes come from `config_for`: chosen by `tune` on the target GPU at build, per weight
 shape and prologue/epilogue, and stored in engine.json. Without a GPU the kernel runs under
 Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it against torch.
@@ -107,40 +101,6 @@ def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, in
     return (*found, 0, 0)[:5]
 
 
-def use_inputs(w: torch.Tensor, fl: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.dtype, dict]:
-    """What `tune` times a (weight, flags) use with: copies of w enough to miss L2, one row of x,
-    the activation dtype and the prologue's and epilogue's arguments."""
-    (n, k), nbytes = w.shape, w.element_size()
-    copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
-    act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
-    x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
-    args = {
-        "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
-        "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
-        "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
-        "silu_mul": "silu" in on,
-        "glu": "glu" in on,
-    }
-    return copies, x, act, args
-
-
-def timed(x: torch.Tensor, copies: list[torch.Tensor], act: torch.dtype, block, args: dict, reps: int) -> float:
-    """ms a call of one block shape: reps calls back to back, each on the next weight copy,
-    replayed from a CUDA graph (launch gaps from the host would hide the kernel's own time)."""
-    launch(x, copies[0], act, block=block, **args)  # compile the kernel outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            launch(x, copies[i % len(copies)], act, block=block, **args)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int, int, int]]:
     """Time every candidate block shape for each (weight, flags) use, one row of x, on the
     weight's device, and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run once
@@ -151,8 +111,30 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
         name = key(n, k, nbytes, fl)
         if name in found:
             continue
-        copies, x, act, args = use_inputs(w, fl)
-        times = {block: timed(x, copies, act, block, args, reps) for block in candidates(k, nbytes)}
+        copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
+        act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
+        args = {
+            "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
+            "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
+            "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
+            "silu_mul": "silu" in on,
+            "glu": "glu" in on,
+        }
+        times = {}
+        for block in candidates(k, nbytes):
+            launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
+            graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
+            with torch.cuda.graph(graph):
+                for i in range(reps):
+                    launch(x, copies[i % len(copies)], act, block=block, **args)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[block] = start.elapsed_time(end) / reps
         found[name] = min(times, key=times.get)
         TUNED_MS[name] = times[found[name]]
         del copies
@@ -213,17 +195,6 @@ if triton is not None:
         return 1.0 / tl.sqrt(ss / K + eps)
 
     @triton.jit
-    def after_predecessors():
-        """Programmatic dependent launch: wait until the kernels before this one have finished
-        and their writes are visible, then let the next kernel launch. Its programs then take
-        the SM slots this kernel's leave and may load what needs nothing from it (weights)
-        while this one's last programs finish. The trigger comes after the wait, never before:
-        so at most one kernel waits ahead (probe 19 triggered first, and every kernel of a
-        layer launched at once and held SM slots: +0.74 ms a bf16 step)."""
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
     def _rows(w_ptr, rn, rk, k_ok, N, K: tl.constexpr, GLU: tl.constexpr):
         """The weight tile of rows rn (GLU: and of rows N + rn, up's), masked past N; read once,
         so kept out of L2's way."""
@@ -277,7 +248,7 @@ if triton is not None:
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, PDL: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
@@ -286,9 +257,6 @@ if triton is not None:
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
             first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # its first column block; GLU: rows rn and N + rn
-            if PDL:  # the first weight tile streams in while the kernel before finishes; each tile then loads the next
-                w, w2 = _rows(w_ptr, first, rk, k_ok, N, K, GLU)
-                after_predecessors()
             x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)  # one read of x: the norm's sum and the prologue
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
@@ -296,19 +264,14 @@ if triton is not None:
             xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
-                if not PDL:
-                    w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
+                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
                 acc2 = acc
                 if GLU:
                     acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
-                if PDL:  # the next column block's tile (none past the last: masked)
-                    w, w2 = _rows(w_ptr, rn + programs * BLOCK_N, rk, k_ok, N, K, GLU)
                 n_ok = rn < N
                 _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
         else:
-            if PDL:
-                after_predecessors()
             if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
                 rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
             else:
@@ -342,15 +305,13 @@ def launch(
     silu_mul: bool = False,
     block: list[int] | None = None,
     glu: bool = False,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
     up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
     num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
-    resident body with that many programs a multiprocessor (BLOCK_K >= K); pdl: launched as a
-    programmatic dependent (`after_predecessors`; CUDA, compute capability 9.0 on)."""
+    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -374,9 +335,8 @@ def launch(
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), PDL=pdl,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **({"launch_pdl": True} if pdl and x.is_cuda else {}),
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
@@ -386,5 +346,5 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
 
     @gemv.register_fake
     def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
-          glu=False, pdl=False):  # fmt: skip
+          glu=False):  # fmt: skip
         return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)

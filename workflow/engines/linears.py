@@ -82,23 +82,21 @@ def project(
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
     glu: bool = False,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
     silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
     kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile),
     unless x arrives quantized (float8: dense's input, from decode attention). glu (fused bf16
-    or float32 path only): lin is gate_up, and the output is silu(gate) * up. pdl: the GEMV is
-    launched as a programmatic dependent (`gemv.after_predecessors`)."""
+    or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
     if gemv_path(x, fused):
         if lin.a_scale is None:
-            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu, pdl=pdl)
+            return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
         if glu:
             raise ValueError("project: glu is for bf16 / float32 weights")
         if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
-            return gemv.gemv(x, lin.fp8_weight, residual.dtype, scale=lin.out_scale, residual=residual, pdl=pdl)
+            return gemv.gemv(x, lin.fp8_weight, residual.dtype, scale=lin.out_scale, residual=residual)
         xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
-        return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual, pdl=pdl)
+        return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
     if glu:
         raise ValueError("project: glu needs the fused GEMV path")
     y = linear(prologue(x, norm, eps, silu_mul), lin)

@@ -57,7 +57,6 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
     defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
-    pdl: bool = False  # CUDA, compute capability 9.0 on: decode's qkv GEMV, attention and dense GEMV as programmatic dependents
 
 
 def layer_step(
@@ -78,7 +77,6 @@ def layer_step(
     fused: bool = False,
     fused_attention: bool = False,
     glu: bool = False,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
     serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
@@ -87,20 +85,15 @@ def layer_step(
     fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
     glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
     programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
-    there the epilogue cost more than the kernel it saves, probe 17); pdl: with both kernels,
-    qkv's GEMV, attention, its combine and dense's GEMV launched as programmatic dependents,
-    each starting while the one before finishes (the GEMV loading its weights, attention its
-    cache, before they wait): bf16 decode -0.10 ms a step on an H100 but +0.06 ms on an H200, FP8
-    unchanged on both; launched so, gate_up's and proj's GEMVs were slower
-    (benchmarks/results/2026-11-24-h100-probe29)."""
+    there the epilogue cost more than the kernel it saves, probe 17)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
-    qkv_out = project(x, qkv, fused, norms[0], eps, pdl=pdl)
+    qkv_out = project(x, qkv, fused, norms[0], eps)
     if fused_attention and mask is not None and t == 1:
         fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
             qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
-            quant=dense.a_scale if fp8_in else None, pdl=pdl,
+            quant=dense.a_scale if fp8_in else None,
         )  # fmt: skip
     else:
         q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
@@ -119,7 +112,7 @@ def layer_step(
             k_seen, v_seen = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
-    h = project(y, dense, fused, residual=x, pdl=pdl)
+    h = project(y, dense, fused, residual=x)
     glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
     act = project(h, gate_up, fused, norms[1], eps, glu=glu)
     return project(act, proj, fused, residual=h, silu_mul=not glu)
@@ -132,7 +125,7 @@ class Layer(nn.Module):
         self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step, fused=(False, False)
     ):
         super().__init__()
-        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue, PDL)
+        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue)
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
         self.norms = tuple(
@@ -180,15 +173,13 @@ class TorchEngine(Engine, nn.Module):
         step = torch.compile(layer_step, dynamic=False, fullgraph=True) if options.compile else layer_step
         self.embedding = t("transformer.vocab_embedding.weight")
         norm_names = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
-        pdl = options.pdl and options.gemv and options.decode_attention and self.device.type == "cuda"
-        pdl = pdl and torch.cuda.get_device_capability(self.device) >= (9, 0)  # Hopper on; elsewhere plain launches
         self.layers = nn.ModuleList(
             Layer(
                 spec,
                 layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
                 {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
                 step,
-                (options.gemv, options.decode_attention, options.gemv, pdl),
+                (options.gemv, options.decode_attention, options.gemv),
             )
             for n in range(spec.num_layers)
         )
