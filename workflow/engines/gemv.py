@@ -111,46 +111,35 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
         name = key(n, k, nbytes, fl)
         if name in found:
             continue
-        timer = Timer(w, fl, reps)
-        times = {block: timer(block) for block in candidates(k, nbytes)}
-        found[name] = min(times, key=times.get)
-        TUNED_MS[name] = times[found[name]]
-        del timer
-    BLOCKS.update(found)
-    return found
-
-
-class Timer:
-    """Times block shapes for one (weight, flags) use as `tune` does: one row of x, `reps`
-    calls replayed from a CUDA graph (launch gaps would hide the kernel's own time), cycling
-    through copies of the weight that together overflow L2 (no L2 hits). ms a call."""
-
-    def __init__(self, w: torch.Tensor, fl: str, reps: int = 20):
-        (n, k), nbytes = w.shape, w.element_size()
-        self.copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
-        self.act, on, self.reps = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+"), reps
-        self.x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
-        self.args = {
+        copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
+        act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
+        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
+        args = {
             "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
-            "norm": torch.ones(k, device=w.device, dtype=self.act) if "norm" in on else None,
-            "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=self.act) if "res" in on else None,
+            "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
+            "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
             "silu_mul": "silu" in on,
             "glu": "glu" in on,
         }
-
-    def __call__(self, block: tuple[int, ...]) -> float:
-        launch(self.x, self.copies[0], self.act, block=block, **self.args)  # compile the kernel outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(self.reps):
-                launch(self.x, self.copies[i % len(self.copies)], self.act, block=block, **self.args)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / self.reps
+        times = {}
+        for block in candidates(k, nbytes):
+            launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
+            graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
+            with torch.cuda.graph(graph):
+                for i in range(reps):
+                    launch(x, copies[i % len(copies)], act, block=block, **args)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[block] = start.elapsed_time(end) / reps
+        found[name] = min(times, key=times.get)
+        TUNED_MS[name] = times[found[name]]
+        del copies
+    BLOCKS.update(found)
+    return found
 
 
 if triton is not None:
@@ -254,65 +243,17 @@ if triton is not None:
         tl.store(y_ptr + out_ptrs, y, mask=ok)
 
     @triton.jit
-    def _flat(
-        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
-        M, N, rows_per_part, eps, programs,
-        K: tl.constexpr, STRIDES: tl.constexpr,
-        NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """The flat body: per_sm programs a multiprocessor, each walking its column blocks' K tiles
-        as one loop (tile t: block t // tiles, K tile t % tiles), a block stored after its last
-        tile, with tile t + 1's loads issued before tile t's products (Triton pipelines no loads
-        that feed no dot): a program's weight stream runs on across its blocks, never drained and
-        restarted. x's tiles come again from L1/L2 for each block (a few KB)."""
-        rm = tl.arange(0, BLOCK_M)
-        m_ok = rm < M
-        if NORM:  # noqa: SIM108
-            rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
-        else:
-            rstd = tl.zeros((BLOCK_M,), tl.float32)
-        tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-        if DEFER:  # noqa: SIM108
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc2 = acc
-        cols, ks = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
-        rn, rk = tl.program_id(0) * BLOCK_N + cols, ks
-        x, up = _load_x(x_ptr, rm, rk, m_ok, rk < K, K, SILU_MUL)
-        w, w2 = _rows(w_ptr, rn, rk, rk < K, N, K, GLU)
-        for t in range(0, STRIDES * tiles):  # past the last block, rn >= N: the tile after it loads nothing
-            rn_next = (tl.program_id(0) + ((t + 1) // tiles) * programs) * BLOCK_N + cols
-            rk_next = ((t + 1) % tiles) * BLOCK_K + ks
-            x_next, up_next = _load_x(x_ptr, rm, rk_next, m_ok, rk_next < K, K, SILU_MUL)
-            w_next, w2_next = _rows(w_ptr, rn_next, rk_next, rk_next < K, N, K, GLU)
-            xf = _prologue(x, up, rk, rk < K, norm_ptr, rstd, NORM, SILU_MUL)
-            acc = _accumulate(acc, xf, w, DEFER)
-            if GLU:
-                acc2 = _accumulate(acc2, xf, w2, DEFER)
-            if t % tiles == tiles - 1:  # the block's last tile: its outputs, then a fresh accumulator
-                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, rn < N, N, rows_per_part,
-                       HAS_RES, HAS_SCALE, GLU, DEFER)  # fmt: skip
-                acc = tl.zeros_like(acc)
-                acc2 = tl.zeros_like(acc2)
-            rn, rk, x, up, w, w2 = rn_next, rk_next, x_next, up_next, w_next, w2_next
-
-    @triton.jit
     def _gemv(
         x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, FLAT: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
-        if FLAT:
-            _flat(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, M, N, rows_per_part, eps, programs, K, STRIDES,
-                  NORM, SILU_MUL, HAS_RES, HAS_SCALE, GLU, DEFER, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        elif RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
+        if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
             first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # its first column block; GLU: rows rn and N + rn
@@ -369,9 +310,8 @@ def launch(
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
     up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
-    num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: that
-    many persistent programs a multiprocessor, the resident body where BLOCK_K >= K, else the flat
-    one."""
+    num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
+    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -383,7 +323,8 @@ def launch(
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
     fl = flags(norm is not None, silu_mul, residual is not None, glu)
     block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
-    flat = bool(per_sm) and block_k < k  # persistent programs that do not hold x's row: the flat body
+    if per_sm and block_k < k:
+        raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
     blocks = triton.cdiv(n, block_n)
     programs = min(blocks, per_sm * multiprocessors(x.device)) if per_sm else blocks
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
@@ -394,7 +335,7 @@ def launch(
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and (flat or not per_sm), RESIDENT=bool(per_sm) and not flat, FLAT=flat,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
