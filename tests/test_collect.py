@@ -1,6 +1,7 @@
 """benchmarks/collect.py over committed GPU runs: the figures the README quotes come out of it."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,25 @@ def test_the_speed_up_spreads_the_text_catch_up_where_it_was_measured(tmp_path):
     old = collect(tmp_path, "2026-11-23-h100-full9", "bf16", "fp8")
     assert "decode_step_amortized_ms" not in old
     assert old["fp8_decode_speedup"] == old["decode_step_ms"]["bf16"] / old["decode_step_ms"]["fp8"]
+
+
+def test_every_result_the_docs_name_is_committed():
+    """README.md and the lever ledger point at result directories and the patches of reverted
+    levers: each must exist, or a claim would rest on nothing a reader can open."""
+    root = RESULTS.parents[1]
+    readme = (root / "README.md").read_text()
+    named = {m.rstrip("/.") for m in re.findall(r"benchmarks/results/[\w./*-]+", readme)}
+    assert len(named) > 10
+    for path in named:
+        assert list(root.glob(path)), f"README.md names {path}, which is not committed"
+    ledger = (RESULTS / "LEVERS.md").read_text()
+    rows = [line for line in ledger.splitlines() if line.startswith("| ") and line.rstrip().endswith("|")][2:]
+    assert len(rows) > 60
+    for row in rows:
+        where = row.split("|")[-2]
+        dirs = re.findall(r"`(\d{4}-\d{2}-\d{2}-[\w-]+)/`", where)
+        assert dirs, f"LEVERS.md row names no directory: {row[:80]}"
+        for d in dirs:
+            assert (RESULTS / d).is_dir(), f"LEVERS.md names {d}/, which is not committed"
+        for patch in re.findall(r"`([\w-]+\.patch)`", row):
+            assert any((RESULTS / d / patch).is_file() for d in dirs), f"LEVERS.md names {patch} beside {dirs}"
