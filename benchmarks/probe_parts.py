@@ -196,20 +196,16 @@ def defer_fill_ab(engine, ids: Ids, dev: torch.device, owed: int = LOOP["num_tok
 
 
 def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """gate_up's GEMV ending in silu(gate) * up against proj's GEMV starting with it, each
-    program re-reading gate_up's output (bf16, probe 17); in an FP8 engine only the trunk's
-    layers switch (the bf16 branches keep the epilogue): its FP8 epilogue quantizes proj's input,
-    against the quantize kernel between the two GEMVs (probe 31)."""
+    """gate_up's GEMV ending in silu(gate) * up (bf16 layers: the branches in an FP8 engine)
+    against proj's GEMV starting with it, each program re-reading [gate | up] (probe 17)."""
     from workflow.cudagraphs import Graphs
     from workflow.engines import gemv
-
-    fp8_trunk = engine.trunk[0].gate_up.args().a_scale is not None
 
     def setting(glu: bool) -> Callable[[], None]:
         graphs = Graphs(dev)
 
         def apply() -> None:
-            for layer in engine.trunk if fp8_trunk else engine.layers:
+            for layer in engine.layers:
                 layer.fused = (*layer.fused[:2], glu)
             engine.graphs = graphs
 

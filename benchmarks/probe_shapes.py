@@ -11,8 +11,6 @@
 
 Usage (on the GPU machine, repository root; [--skip-gemm] [--skip-attention]):
     PYTHONPATH=. python3 benchmarks/probe_shapes.py --out $OUT/shapes.json
-With --glu-layouts, only proj's prefill prologue (silu(gate) * up, then FP8's quantize), over
-gate_up's output as halves or as (gate i, up i) pairs (probe 31).
 (Probe 25's run1 also timed each attention config with a block's V loaded beside its K: the
 script of commit 3b71bd9 with benchmarks/results/2026-11-24-h100-probe25/early-v.patch.)
 """
@@ -139,39 +137,11 @@ def attention_configs(kv_len: int, quant: bool, say, only: list[str] | None = No
     return {"configs": out, "best": best, "default": default}
 
 
-def glu_layouts(say, m: int = 512) -> dict:
-    """proj's prologue in a prefill (silu(gate) * up of gate_up's output, then FP8's quantize),
-    compiled as the engine's layer is, with gate_up's columns as halves [gate | up] or as
-    (gate i, up i) pairs (linears.pairs: probe 31): what the pairs' strided reads cost (us)."""
-    from workflow import fp8
-
-    dev, n = torch.device("cuda"), FULL.intermediate_size
-    x, a = torch.randn(m, 2 * n, device=dev, dtype=torch.bfloat16), torch.tensor([0.01], device=dev)
-    def runs(x):  # linears.pairs: runs of 64 gate columns, each followed by the 64 up columns
-        r = x.unflatten(-1, (-1, 2, 64))
-        return r[..., 0, :].flatten(-2), r[..., 1, :].flatten(-2)
-
-    layouts = {"halves": lambda x: (x[:, :n], x[:, n:]), "pairs": lambda x: (x[:, 0::2], x[:, 1::2]), "runs64": runs}
-    out = {}
-    for (name, split), quant in itertools.product(layouts.items(), (False, True)):
-
-        def prologue(x, split=split, quant=quant):
-            gate, up = split(x)
-            y = F.silu(gate) * up
-            return fp8.quantize(y, a) if quant else y
-
-        compiled = torch.compile(prologue, dynamic=False)
-        out[f"{name}{'_fp8' if quant else ''}"] = us = bench_us(lambda compiled=compiled: compiled(x))
-        say(f"glu prologue {m} x {n}, {name}{' + FP8 quantize' if quant else ''}: {us:.2f} us")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-gemm", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
-    ap.add_argument("--glu-layouts", action="store_true", help="only proj's prefill prologue, halves against pairs")
     args = ap.parse_args()
     lines: list[str] = []
 
@@ -187,10 +157,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.glu_layouts:
-        result["glu_layouts"] = glu_layouts(say)
-        save()
-        return
     att = result["attention"] = {}
     for kv in () if args.skip_attention else (640, 1024):
         att[f"{kv}_bf16"] = a = attention_configs(kv, False, say)

@@ -8,16 +8,9 @@ import torch.nn.functional as F
 
 from workflow import fp8, trtckpt
 from workflow.engines import gemv
-from workflow.engines.linears import pairs
 from workflow.engines.torch_engine import TorchEngine, rms_norm
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="needs triton")
-
-
-@pytest.fixture(autouse=True)
-def short_runs(monkeypatch):
-    """gate_up's pairs in runs of 4 rows, so that small weights have several runs."""
-    monkeypatch.setattr(gemv, "PAIR_RUN", 4)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
@@ -35,25 +28,16 @@ def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
     return 2.0 ** (torch.frexp(t.abs().clamp_min(1e-30)).exponent - 8).double()
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """proj's input from gate_up's output, whose columns are runs of gate's then of up's
-    (linears.pairs)."""
-    runs = gu.unflatten(-1, (-1, 2, gemv.PAIR_RUN))
-    return (F.silu(runs[..., 0, :]) * runs[..., 1, :]).flatten(-2)
-
-
 @pytest.mark.parametrize("rows", [1, 4])
-def test_silu_mul_prologue_reads_gate_and_up_pairs(rows):
-    """proj's input is silu(gate) * up of gate_up's output, (gate i, up i) pairs: the kernel
-    reads both of each pair (and not, say, the halves)."""
+def test_silu_mul_prologue_reads_gate_and_up_halves(rows):
+    """proj's input is silu(gate) * up of gate_up's output [gate | up]: the kernel reads both halves."""
     k, n = 160, 24
     gu, w, r = torch.randn(rows, 2 * k), torch.randn(n, k) / 16, torch.randn(rows, n)
     got = gemv.launch(gu, w, torch.float32, residual=r, silu_mul=True, block=(8, 64, 4))
-    assert torch.allclose(got, r + F.linear(silu_mul(gu), w), atol=1e-5, rtol=1e-5)
-    halves = F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)
-    assert not torch.allclose(got, r + halves, atol=1e-2)
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.allclose(got, r + F.linear(F.silu(gate) * up, w), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="columns"):
-        gemv.launch(gu[:, :k], w, torch.float32, silu_mul=True)
+        gemv.launch(gate, w, torch.float32, silu_mul=True)
     with pytest.raises(ValueError, match="do not combine"):
         gemv.launch(gu, w, torch.float32, norm=torch.ones(k), silu_mul=True)
 
@@ -69,7 +53,7 @@ def test_deferred_body_equals_torch(block_k):
     assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
     gu = torch.randn(1, 2 * k)
     got = gemv.launch(gu, w, torch.float32, silu_mul=True, block=(4, block_k, 4, 1))
-    assert torch.allclose(got, F.linear(silu_mul(gu), w), atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got, F.linear(F.silu(gu[:, :k]) * gu[:, k:], w), atol=1e-5, rtol=1e-5)
     x4 = torch.randn(4, k)
     assert torch.allclose(gemv.launch(x4, w, torch.float32, block=(8, block_k, 4, 1)), F.linear(x4, w), atol=1e-5)
 
@@ -103,46 +87,27 @@ def test_bf16_rounds_like_torch():
 
 
 def test_fp8_parts_take_their_own_scale():
-    """fc|gate fused in pairs: the even rows (fc's) and the odd ones (gate's) each have their own
-    weight scale, as two _scaled_mm would."""
+    """fc|gate fused: each half of the rows has its own weight scale, as two _scaled_mm would."""
     k, n = 128, 32
     w, a, ws = torch.randn(n, k), torch.tensor([0.02]), torch.tensor([0.004, 0.01])
-    w8 = pairs(fp8.quantize(w[: n // 2], ws[:1]), fp8.quantize(w[n // 2 :], ws[1:]))
+    w8 = torch.cat([fp8.quantize(w[: n // 2], ws[:1]), fp8.quantize(w[n // 2 :], ws[1:])])
     xq = fp8.quantize(torch.randn(1, k), a)
     got = gemv.launch(xq, w8, torch.float32, scale=a * ws, block=(8, 64, 4))
-    deq = w8.double() * ws.double().repeat_interleave(gemv.PAIR_RUN).repeat(n // (2 * gemv.PAIR_RUN))[:, None]
+    deq = torch.cat([w8[: n // 2].double() * ws[0].item(), w8[n // 2 :].double() * ws[1].item()])
     assert torch.allclose(got.double(), (xq.double() * a.item()) @ deq.t(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block", [(4, 64, 4), (4, 64, 4, 1)])
 def test_glu_epilogue_is_silu_gate_times_up(block):
-    """glu (gate_up, proj's input): w's rows (gate i, up i) pairs, the output silu(x @ gate^T) *
-    (x @ up^T), half as many columns; one row (either body) and several."""
+    """glu (bf16 gate_up, proj's input): w = [gate; up], the output silu(x @ gate^T) * (x @ up^T),
+    half as many columns; one row (either body) and several."""
     k, n = 160, 12
-    x, wg, wu = torch.randn(2, k), torch.randn(n, k) / 16, torch.randn(n, k) / 16
-    want = F.silu(F.linear(x, wg)) * F.linear(x, wu)
-    got = gemv.launch(x[:1], pairs(wg, wu), torch.float32, glu=True, block=block)
+    x, w = torch.randn(2, k), torch.randn(2 * n, k) / 16
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    got = gemv.launch(x[:1], w, torch.float32, glu=True, block=block)
     assert got.shape == (1, n)
-    assert torch.allclose(got, want[:1], rtol=1e-5, atol=1e-6)
-    assert torch.allclose(gemv.launch(x, pairs(wg, wu), torch.float32, glu=True, block=block[:3]), want, atol=1e-6)
-
-
-@pytest.mark.parametrize("block", [(4, 64, 4), (4, 64, 4, 1), (2, 256, 4, 0, 1)])
-def test_fp8_glu_epilogue_quantizes_proj_input_as_the_kernels_it_replaces(block):
-    """FP8 gate_up with glu and quant: fc's and gate's rows at their own scales, silu(gate) * up
-    rounded to the activations' dtype, then quantized at proj's scale, in one kernel: bit for bit
-    what gate_up's GEMV then `fp8.quantize(prologue(...))` give, the path it replaces (every
-    body; ragged N and K)."""
-    k, n = 200, 20
-    a, ws, a_proj = torch.tensor([0.02]), torch.tensor([0.004, 0.01]), torch.tensor([0.003])
-    w8 = pairs(fp8.quantize(torch.randn(n, k) / 8, ws[:1]), fp8.quantize(torch.randn(n, k) / 8, ws[1:]))
-    xq = fp8.quantize(torch.randn(1, k), a)
-    got = gemv.launch(xq, w8, torch.float32, scale=a * ws, glu=True, quant=a_proj, block=block)
-    assert got.dtype == torch.float8_e4m3fn and got.shape == (1, n)
-    gu = gemv.launch(xq, w8, torch.float32, scale=a * ws, block=block[:3])  # [1, 2n]: the pairs, scaled
-    want = fp8.quantize(silu_mul(gu), a_proj)
-    assert torch.equal(got.float(), want.float())
-    assert got.float().abs().max() > 16  # the scale puts values where FP8 rounding is coarse
+    assert torch.allclose(got, (F.silu(gate) * up)[:1], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(gemv.launch(x, w, torch.float32, glu=True, block=block[:3]), F.silu(gate) * up, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -151,16 +116,17 @@ def test_resident_body_equals_torch(rows, block_n, per_sm):
     """The resident body: x's whole row (BLOCK_K >= K, ragged) read and prologued once, then each
     program strides over column blocks (per_sm programs a "multiprocessor": the interpreter has
     2), with every prologue and epilogue; BLOCK_K short of K is refused."""
-    k, n = 200, 36
+    k, n = 200, 37
     x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
     block = (block_n, 256, 4, 0, per_sm)
     got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block)
     assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
     gu = torch.randn(rows, 2 * k)
     got = gemv.launch(gu, w, torch.float32, silu_mul=True, block=block)
-    assert torch.allclose(got, F.linear(silu_mul(gu), w), atol=1e-5, rtol=1e-5)
-    got = gemv.launch(x, pairs(w, w.flip(0)), torch.float32, glu=True, block=block)
-    assert torch.allclose(got, F.silu(F.linear(x, w)) * F.linear(x, w.flip(0)), atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got, F.linear(F.silu(gu[:, :k]) * gu[:, k:], w), atol=1e-5, rtol=1e-5)
+    gate, up = F.linear(x, torch.cat([w, w.flip(0)])).chunk(2, dim=-1)
+    got = gemv.launch(x, torch.cat([w, w.flip(0)]), torch.float32, glu=True, block=block)
+    assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="whole row"):
         gemv.launch(x, w, torch.float32, block=(block_n, 128, 4, 0, 1))
 

@@ -39,13 +39,10 @@ import torch
 try:
     import triton
     import triton.language as tl
-
-    from workflow.engines.attention import ACT_TYPES, _fp8_round
 except ImportError:  # the engine works without it (engine.gemv: false)
     triton = None
 
 MAX_M = 4  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
-PAIR_RUN = 64  # gate_up's rows alternate runs of this many of fc's and of gate's (linears.pairs)
 
 
 def available() -> bool:
@@ -62,22 +59,20 @@ TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (m
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
-def candidates(k: int, weight_bytes: int, glu: bool = False) -> list[tuple[int, int, int, int, int]]:
+def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
     tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
     registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
     (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms). And, for K up to
     RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
-    and running its prologue once, then striding over column blocks. glu: two accumulators (gate's
-    and up's), so the deferred body's tiles hold half as many partial sums each."""
+    and running its prologue once, then striding over column blocks."""
     fits = triton.next_power_of_2(k)
     tiled = [(bn, bk, w, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
     deferred = [(bn, bk, w, 1, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
     deferred = deferred if weight_bytes == 1 else []
     resident = [(bn, fits, w, 0, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
     resident = resident if k <= RESIDENT_MAX_K else []
-    acc = 2 if glu else 1
-    ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or acc * c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
+    ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
     return ok + resident
 
 
@@ -125,10 +120,9 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
             "silu_mul": "silu" in on,
             "glu": "glu" in on,
-            "quant": torch.ones(1, device=w.device) if nbytes == 1 and "glu" in on else None,  # FP8 GLU feeds FP8 proj
         }
         times = {}
-        for block in candidates(k, nbytes, "glu" in on):
+        for block in candidates(k, nbytes):
             launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
             graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
             with torch.cuda.graph(graph):
@@ -151,23 +145,15 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
 if triton is not None:
 
     @triton.jit
-    def _gate_rows(i, RUN: tl.constexpr):
-        """Where gate_up's gate row (or output column) i sits: runs of RUN gate rows, each followed
-        by the RUN up rows that pair with them (linears.pairs)."""
-        return (i // RUN) * 2 * RUN + i % RUN
-
-    @triton.jit
-    def _load_x(x_ptr, rm, rk, m_ok, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr, RUN: tl.constexpr):
-        """x's tile [M, BLOCK_K] as stored; with SILU_MUL (each row of x is gate_up's output,
-        (gate i, up i) pairs) gate's and up's tiles."""
+    def _load_x(x_ptr, rm, rk, m_ok, k_ok, K: tl.constexpr, SILU_MUL: tl.constexpr):
+        """x's tile [M, BLOCK_K] as stored; with SILU_MUL (each row of x is [gate | up]) gate's
+        and up's tiles."""
+        stride = 2 * K if SILU_MUL else K
         x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride + rk[None, :], mask=x_ok, other=0.0)
+        up = x
         if SILU_MUL:
-            g = _gate_rows(rk, RUN)
-            x = tl.load(x_ptr + rm[:, None] * 2 * K + g[None, :], mask=x_ok, other=0.0)
-            up = tl.load(x_ptr + rm[:, None] * 2 * K + g[None, :] + RUN, mask=x_ok, other=0.0)
-        else:
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=x_ok, other=0.0)
-            up = x
+            up = tl.load(x_ptr + rm[:, None] * stride + K + rk[None, :], mask=x_ok, other=0.0)
         return x, up
 
     @triton.jit
@@ -183,10 +169,9 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
-    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-               RUN: tl.constexpr):  # fmt: skip
+    def _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
         """x's tile [M, BLOCK_K] loaded and through the prologue, as float32."""
-        x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL, RUN)
+        x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)
         return _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
 
     @triton.jit
@@ -210,15 +195,14 @@ if triton is not None:
         return 1.0 / tl.sqrt(ss / K + eps)
 
     @triton.jit
-    def _rows(w_ptr, rn, rk, k_ok, N, K: tl.constexpr, GLU: tl.constexpr, RUN: tl.constexpr):
-        """The weight tile of rows rn (GLU: of rows 2 rn and 2 rn + 1, gate's and up's, pairs
-        in gate_up), masked past N; read once, so kept out of L2's way."""
+    def _rows(w_ptr, rn, rk, k_ok, N, K: tl.constexpr, GLU: tl.constexpr):
+        """The weight tile of rows rn (GLU: and of rows N + rn, up's), masked past N; read once,
+        so kept out of L2's way."""
         ok = (rn < N)[:, None] & k_ok[None, :]
-        rows = _gate_rows(rn, RUN) if GLU else rn
-        w = tl.load(w_ptr + rows[:, None] * K + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
         w2 = w
         if GLU:
-            w2 = tl.load(w_ptr + (rows + RUN)[:, None] * K + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+            w2 = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
         return w, w2
 
     @triton.jit
@@ -232,72 +216,67 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _finish(acc, scale_ptr, rows, parts, n_ok, DEFER: tl.constexpr, HAS_SCALE: tl.constexpr, RUN: tl.constexpr):
+    def _finish(acc, scale_ptr, rows, rows_per_part, n_ok, DEFER: tl.constexpr, HAS_SCALE: tl.constexpr):
         """The accumulator as [M, N], times each weight row's part scale (FP8)."""
         if DEFER:
             acc = tl.sum(acc, axis=1)[None, :]
         if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + (rows // RUN) % parts, mask=n_ok, other=0.0)[None, :]
+            acc = acc * tl.load(scale_ptr + rows // rows_per_part, mask=n_ok, other=0.0)[None, :]
         return acc
 
     @triton.jit
-    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, quant_ptr, rm, rn, m_ok, n_ok, N, parts,
-               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr,
-               QUANT: tl.constexpr, ACT: tl.constexpr, RUN: tl.constexpr):  # fmt: skip
-        """The epilogue: rounded to the activations' dtype ACT; GLU: silu(gate) * up, rounded as
-        gate_up's output, silu's and the product are; then the residual added and rounded again;
-        QUANT: then quantized for the next linear's FP8 input, as `fp8.quantize` does."""
+    def _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part,
+               HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DEFER: tl.constexpr):  # fmt: skip
+        """The epilogue: rounded to y's dtype; GLU: silu(gate) * up, rounded as gate_up's output,
+        silu's and the product are; then the residual added and rounded again."""
         out_ptrs = rm[:, None] * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
-        rows = _gate_rows(rn, RUN) if GLU else rn  # gate_up: gate's rows (part 0), up's RUN further on (part 1)
-        y = _finish(acc, scale_ptr, rows, parts, n_ok, DEFER, HAS_SCALE, RUN).to(ACT)
+        dt = y_ptr.dtype.element_ty
+        y = _finish(acc, scale_ptr, rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
         if GLU:
-            u = _finish(acc2, scale_ptr, rows + RUN, parts, n_ok, DEFER, HAS_SCALE, RUN).to(ACT)
+            u = _finish(acc2, scale_ptr, N + rn, rows_per_part, n_ok, DEFER, HAS_SCALE).to(dt)
             gf = y.to(tl.float32)
-            y = ((gf / (1.0 + tl.exp(-gf))).to(ACT).to(tl.float32) * u.to(tl.float32)).to(ACT)
+            y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
         if HAS_RES:
             r = tl.load(res_ptr + out_ptrs, mask=ok, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(ACT)
-        if QUANT:
-            y = _fp8_round(tl.math.div_rn(y.to(tl.float32), tl.load(quant_ptr)))
-        tl.store(y_ptr + out_ptrs, y.to(y_ptr.dtype.element_ty), mask=ok)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(y_ptr + out_ptrs, y, mask=ok)
 
     @triton.jit
     def _gemv(
-        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, quant_ptr,
-        M, N, parts, eps, programs,
+        x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
+        M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
         if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # its first column block; GLU: rows 2 rn, 2 rn + 1
-            x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL, RUN)  # one read of x: the norm's sum and the prologue
+            first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # its first column block; GLU: rows rn and N + rn
+            x, up = _load_x(x_ptr, rm, rk, m_ok, k_ok, K, SILU_MUL)  # one read of x: the norm's sum and the prologue
             rstd = tl.zeros((BLOCK_M,), tl.float32)
             if NORM:
                 rstd = _inv_rms(_sum_sq(x), eps, K)
             xf = _prologue(x, up, rk, k_ok, norm_ptr, rstd, NORM, SILU_MUL)
             for i in range(0, STRIDES):  # column block pid + i * programs (the last ones may be past N: masked)
                 rn = first + i * programs * BLOCK_N
-                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU, RUN)
+                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
                 acc2 = acc
                 if GLU:
                     acc2 = tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
                 n_ok = rn < N
-                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, quant_ptr, rm, rn, m_ok, n_ok, N, parts,
-                       HAS_RES, HAS_SCALE, GLU, False, QUANT, ACT, RUN)  # fmt: skip
+                _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
         else:
             if NORM:  # noqa: SIM108 (every program recomputes the rows' 1/rms: x is tiny)
                 rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
             else:
                 rstd = tl.zeros((BLOCK_M,), tl.float32)
-            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns; GLU: rows 2 rn and 2 rn + 1 of w
+            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns; GLU: rows rn and N + rn of w
             n_ok = rn < N
             if DEFER:  # noqa: SIM108
                 acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -307,13 +286,12 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = rk < K
-                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL, RUN)
-                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU, RUN)
+                xf = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL)
+                w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
                 acc = _accumulate(acc, xf, w, DEFER)
                 if GLU:
                     acc2 = _accumulate(acc2, xf, w2, DEFER)
-            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, quant_ptr, rm, rn, m_ok, n_ok, N, parts,
-                   HAS_RES, HAS_SCALE, GLU, DEFER, QUANT, ACT, RUN)  # fmt: skip
+            _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, DEFER)
 
 
 def launch(
@@ -327,15 +305,11 @@ def launch(
     silu_mul: bool = False,
     block: list[int] | None = None,
     glu: bool = False,
-    quant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
-    MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K], gate_up's
-    output, (gate i, up i) pairs, and the product reads silu(gate) * up; scale: float32 [parts]
-    (FP8), row r's part r % parts (gate_up's rows alternate gate and up); glu: w is gate_up, its
-    rows (gate i, up i) pairs, and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns;
-    quant: the output then quantized to float8_e4m3fn at this scale (float32 [1]: the next
-    linear's input, its epilogue rounded to out_dtype first); block: (BLOCK_N, BLOCK_K,
+    MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
+    up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
+    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
     num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
     resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
     if norm is not None and silu_mul:
@@ -353,16 +327,16 @@ def launch(
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
     blocks = triton.cdiv(n, block_n)
     programs = min(blocks, per_sm * multiprocessors(x.device)) if per_sm else blocks
-    y = torch.empty(m, n, device=x.device, dtype=out_dtype if quant is None else torch.float8_e4m3fn)
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
+    parts = scale.numel() if scale is not None else 1
     _gemv[(programs,)](
-        x, w, y, res, scale if scale is not None else x, norm if norm is not None else x, quant if quant is not None else x,
-        m, n, scale.numel() if scale is not None else 1, eps, programs,
+        x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
+        m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), QUANT=quant is not None,
-        ACT=ACT_TYPES[out_dtype],
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, RUN=PAIR_RUN, num_warps=warps,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
@@ -372,6 +346,5 @@ if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one ker
 
     @gemv.register_fake
     def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
-          glu=False, quant=None):  # fmt: skip
-        dtype = out_dtype if quant is None else torch.float8_e4m3fn
-        return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=dtype)
+          glu=False):  # fmt: skip
+        return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)

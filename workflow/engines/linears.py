@@ -4,11 +4,9 @@
 a residual add after. For many rows (prefill, batched decode) that is torch ops around cuBLAS
 (or torch._scaled_mm for the FP8 trunk); for a few rows, with `fused`, one call of our Triton
 GEMV (workflow.engines.gemv). The checkpoint's fc (SiLU side) and gate (up) are fused into one
-gate_up weight whose rows alternate, (fc i, gate i) pairs, so that the GEMV's program holding
-output i of silu(fc) * up holds both rows (`pairs`); FP8 scales are kept per part (row r's is part
-r % 2): the GEMV applies each part's own; the GEMM runs at fc's, and up's ratio to it is folded
-into proj's input quantization (`in_scale`), since silu(fc) * (r * up) / a = silu(fc) * up / (a / r):
-no rescaling pass over gate_up's output.
+gate_up = [fc; gate] weight, FP8 scales kept per part: the GEMV applies each part's own; the
+GEMM runs at fc's, and up's ratio to it is folded into proj's input quantization (`in_scale`),
+since silu(fc) * (r * up) / a = silu(fc) * up / (a / r): no rescaling pass over gate_up's output.
 """
 
 from __future__ import annotations
@@ -84,22 +82,21 @@ def project(
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
     glu: bool = False,
-    quant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
-    silu_mul, x = gate_up's output, (gate i, up i) pairs -> silu(gate) * up. With `fused` and
-    few rows (decode), one GEMV kernel does it all; FP8 quantizes x first (the prologue then runs
-    here, fused by compile), unless x arrives quantized (float8: dense's input, from decode
-    attention; proj's, from gate_up's GEMV). glu (fused GEMV path only): lin is gate_up, and the
-    output is silu(gate) * up; quant (with glu, FP8 weights): that output quantized at this scale
-    in the same kernel, proj's FP8 input."""
+    silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
+    kernel does it all; FP8 quantizes x first (the prologue then runs here, fused by compile),
+    unless x arrives quantized (float8: dense's input, from decode attention). glu (fused bf16
+    or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
     if gemv_path(x, fused):
         if lin.a_scale is None:
             return gemv.gemv(x, lin.weight, x.dtype, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
-        if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (by decode attention, gate_up's GEMV)
+        if glu:
+            raise ValueError("project: glu is for bf16 / float32 weights")
+        if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
             return gemv.gemv(x, lin.fp8_weight, residual.dtype, scale=lin.out_scale, residual=residual)
         xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
-        return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual, glu=glu, quant=quant)
+        return gemv.gemv(xq, lin.fp8_weight, x.dtype, scale=lin.out_scale, residual=residual)
     if glu:
         raise ValueError("project: glu needs the fused GEMV path")
     y = linear(prologue(x, norm, eps, silu_mul), lin)
@@ -112,9 +109,9 @@ def gemv_path(x: torch.Tensor, fused: bool) -> bool:
 
 
 def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: bool) -> torch.Tensor:
-    if silu_mul:  # gate_up's output: runs of gate's columns, each followed by up's (`pairs`)
-        runs = x.unflatten(-1, (-1, 2, gemv.PAIR_RUN))
-        return (F.silu(runs[..., 0, :]) * runs[..., 1, :]).flatten(-2)
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return x if norm is None else rms_norm(x, norm, eps)
 
 
@@ -158,9 +155,8 @@ class Fp8Linear(Linear):
         self.register_buffer("gemm_scale", self.w_scale[:1].clone())
 
     def row_scale(self) -> torch.Tensor:
-        """[N, 1]: each output row's weight scale (row r's part is r % parts: see `pairs`)."""
-        parts, run = self.w_scale.numel(), gemv.PAIR_RUN if self.w_scale.numel() > 1 else 1
-        return self.w_scale.repeat_interleave(run).repeat(self.weight.shape[0] // (parts * run))[:, None]
+        """[N, 1]: each output row's weight scale."""
+        return self.w_scale.repeat_interleave(self.weight.shape[0] // self.w_scale.numel())[:, None]
 
     def args(self) -> LinearArgs:
         if self.w_deq is not None:  # CPU: exact emulation through the dequantized weight
@@ -175,15 +171,15 @@ class Fp8Linear(Linear):
 def layer_linears(
     tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: str, fast_accum: bool = False
 ) -> dict[str, nn.Module]:
-    """The layer's linear modules; fc (SiLU side) and gate (up) fused as gate_up, their rows in
-    pairs. fast_accum: FP8 GEMMs accumulate the fast way (see EngineOptions)."""
+    """The layer's linear modules; fc (SiLU side) and gate (up) fused as gate_up = [fc; gate].
+    fast_accum: FP8 GEMMs accumulate the fast way (see EngineOptions)."""
 
     def weight(name: str) -> torch.Tensor:
         return tensors[f"{prefix}{name}.weight"].to(device)
 
     if tensors[f"{prefix}mlp.fc.weight"].dtype != torch.float8_e4m3fn:
         out = {n: Linear(weight(n).to(dtype)) for n in ("attention.qkv", "attention.dense", "mlp.proj")}
-        out["mlp.gate_up"] = Linear(pairs(weight("mlp.fc"), weight("mlp.gate")).to(dtype))
+        out["mlp.gate_up"] = Linear(torch.cat([weight("mlp.fc"), weight("mlp.gate")]).to(dtype))
         return out
 
     def scales(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +193,7 @@ def layer_linears(
     w_scale = torch.cat([w_fc.reshape(1), w_gate.reshape(1)])
     # fc and gate read the same input, so calibration gives them one activation amax;
     # should a checkpoint differ, the larger scale is the one that cannot overflow.
-    gate_up = pairs(weight("mlp.fc"), weight("mlp.gate"))
+    gate_up = torch.cat([weight("mlp.fc"), weight("mlp.gate")])
     out["mlp.gate_up"] = Fp8Linear(gate_up, w_scale, torch.maximum(a_fc, a_gate), dtype, fast_accum)
     # the GEMM path's gate_up output has up at fc's scale, short of its own by r = w_gate / w_fc;
     # proj's input is silu(fc) * up, linear in up, so dividing it by a_proj / r restores it
@@ -205,15 +201,3 @@ def layer_linears(
     in_scale = a_proj.float() / (w_gate.float() / w_fc.float())
     out["mlp.proj"] = Fp8Linear(weight("mlp.proj"), w_proj, a_proj, dtype, fast_accum, in_scale=in_scale)
     return out
-
-
-def pairs(fc: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """gate_up's weight: runs of gemv.PAIR_RUN of fc's rows, each followed by the same rows of
-    gate's (up's). A GEMV program computing output i of silu(fc) * up reads both of its rows and
-    forms it in its epilogue, quantized for proj if FP8 (`project`'s glu), while a prefill's
-    prologue still reads runs of contiguous columns (row by row pairs cost it +2.3 to +3.0 us a
-    layer: probe 31)."""
-    run, k = gemv.PAIR_RUN, fc.shape[-1]
-    if fc.shape[0] % run:
-        raise ValueError(f"gate_up: {fc.shape[0]} rows are not runs of {run}")
-    return torch.stack([fc.view(-1, run, k), gate.view(-1, run, k)], dim=1).reshape(-1, k)

@@ -83,9 +83,9 @@ def layer_step(
     otherwise attend to the first mask.shape[-1] cached positions where mask is True.
     norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV;
     fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
-    glu: with the fused GEMV, gate_up's ends in silu(gate) * up, so proj's programs read x once,
-    not gate_up's whole output each; with FP8 weights that product leaves quantized for proj,
-    and no quantize kernel runs between the two (gate_up's rows in pairs: linears.pairs)."""
+    glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
+    programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
+    there the epilogue cost more than the kernel it saves, probe 17)."""
     b, t, d = x.shape[0], x.shape[1], head_dim
     kv_size = k_cache.shape[1] * d
     qkv_out = project(x, qkv, fused, norms[0], eps)
@@ -113,9 +113,8 @@ def layer_step(
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
     h = project(y, dense, fused, residual=x)
-    glu = glu and gemv_path(h, fused)
-    quant = proj.a_scale if glu and gate_up.a_scale is not None else None
-    act = project(h, gate_up, fused, norms[1], eps, glu=glu, quant=quant)
+    glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
+    act = project(h, gate_up, fused, norms[1], eps, glu=glu)
     return project(act, proj, fused, residual=h, silu_mul=not glu)
 
 
@@ -229,7 +228,7 @@ class TorchEngine(Engine, nn.Module):
                 a = lin.args()
                 bf16 = a.a_scale is None
                 w = a.weight if bf16 else a.fp8_weight
-                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res, glu and lin is layer.gate_up)))
+                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res, glu and bf16 and lin is layer.gate_up)))
         return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
 
     def forward_tokens(
