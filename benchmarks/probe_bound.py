@@ -10,7 +10,8 @@ of this design can do without, replayed from CUDA graphs, timed in turn:
 - `gemvs`: the step's 144 layer GEMVs and the audio head, each its own weights, with the
   engine's tuned blocks (from the runs of record's engine.json);
 - `gemvs+attention`: those and decode attention (with its combine) at each layer, at the
-  benchmark's cache length, data flowing qkv -> attention -> dense as in the engine.
+  benchmark's cache length, data flowing qkv -> attention -> dense as in the engine;
+- `fixed`: probe 30's chain, the layer GEMVs on fixed inputs, no head (a cross-check).
 
 Left out: the FP8 quantize kernels, the embedding row, sampling and the host's call; a whole
 step can only be slower than `gemvs+attention`.
@@ -111,7 +112,23 @@ def chains(fp8: bool, dev: torch.device, kv_len: int, rounds: int) -> dict:
             h = layer.step(h, x8, rope, pos, attend)
         gemv.launch(h, head, BF, norm=head_norm)
 
-    runs = {"read": read, "gemvs": lambda: step(False), "gemvs+attention": lambda: step(True)}
+    xi = torch.randn(1, FFN, device=dev, dtype=BF)
+
+    def fixed() -> None:  # probe 30's chain: the same kernels, every input a fixed tensor, no head
+        for layer in layers:
+            w, f8, s = layer.w, layer.fp8, layer.one
+            if f8:
+                gemv.launch(x8[:, :H], w["qkv"], BF, scale=s)
+                gemv.launch(x8[:, :H], w["dense"], BF, scale=s, residual=h0)
+                gemv.launch(x8[:, :H], w["gate_up"], BF, scale=s)
+                gemv.launch(x8, w["proj"], BF, scale=s, residual=h0)
+            else:
+                gemv.launch(h0, w["qkv"], BF, norm=layer.norm)
+                gemv.launch(h0, w["dense"], BF, residual=h0)
+                gemv.launch(h0, w["gate_up"], BF, norm=layer.norm, glu=True)
+                gemv.launch(xi, w["proj"], BF, residual=h0)
+
+    runs = {"read": read, "gemvs": lambda: step(False), "gemvs+attention": lambda: step(True), "fixed": fixed}
     graphs = {}
     for label, fn in runs.items():
         fn()  # compile outside the capture
@@ -159,7 +176,7 @@ def main() -> None:
         say(f"{name}: building and timing")
         out["precisions"][name] = chains(fp8, dev, args.kv_len, args.rounds)
         torch.cuda.empty_cache()
-    heads = " | ".join(f"{k} ms (x floor)" for k in ("read", "gemvs", "gemvs+attention"))
+    heads = " | ".join(f"{k} ms (x floor)" for k in out["precisions"]["bf16"]["ms"])
     lines = [f"| precision | copy TB/s | floor ms | {heads} | goal's step ms |"]
     for name, r in out["precisions"].items():
         bw = roofline.median(r["copy_bandwidth_rounds"])
