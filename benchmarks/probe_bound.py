@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -88,13 +90,13 @@ class Layer:
         return gemv.launch(act, w["proj"], BF, residual=h)
 
 
-def chains(fp8: bool, dev: torch.device, kv_len: int, rounds: int) -> dict:
+def chains(fp8: bool, dev: torch.device, kv_len: int, rounds: int, names: list[str], round_copies: bool) -> dict:
     """The three graphs for one precision, timed in turn: median ms a replay, and every round."""
     layers = [Layer(fp8 and i < SPEC.num_shared_layers, dev, kv_len, kv_len + 128) for i in range(SPEC.num_layers)]
     head, head_norm = weight(SPEC.audio_vocab_size, H, False, dev), torch.ones(H, device=dev, dtype=BF)
     nbytes = roofline.step_bytes(SPEC, 1 if fp8 else 2, 2, need_text=False, text_branch=False)
     chunk = nbytes // 8 // (H * (1 if fp8 else 2))
-    big = [weight(chunk, H, fp8, dev) for _ in range(8)]
+    big = [weight(chunk, H, fp8, dev) for _ in range(8)] if "read" in names else []
     big_block = gemv.config_for(2 * FFN, H, 1, "") if fp8 else gemv.config_for(QKV, H, 2, "norm")
     h0, x8 = torch.randn(1, H, device=dev, dtype=BF), torch.randn(1, FFN, device=dev).to(torch.float8_e4m3fn)
     pos = torch.tensor([kv_len - 128], device=dev)  # the benchmark: a 512-token prompt, the bucket of 640
@@ -130,7 +132,7 @@ def chains(fp8: bool, dev: torch.device, kv_len: int, rounds: int) -> dict:
 
     runs = {"read": read, "gemvs": lambda: step(False), "gemvs+attention": lambda: step(True), "fixed": fixed}
     graphs = {}
-    for label, fn in runs.items():
+    for label, fn in ((n, runs[n]) for n in names):
         fn()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -139,8 +141,9 @@ def chains(fp8: bool, dev: torch.device, kv_len: int, rounds: int) -> dict:
         graphs[label] = graph
     times: dict[str, list[float]] = {label: [] for label in graphs}
     bandwidth = []  # the copy bandwidth in every round: the floor where the chains ran
-    for _ in range(rounds):
-        bandwidth.append(roofline.copy_bandwidth(dev))
+    for r in range(rounds):
+        if round_copies or r in (0, rounds - 1):
+            bandwidth.append(roofline.copy_bandwidth(dev))
         for label, graph in graphs.items():
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -162,19 +165,20 @@ def main() -> None:
     ap.add_argument("--engine-json", type=Path, action="append", required=True, help="an engine.json: its gemv_blocks")
     ap.add_argument("--kv-len", type=int, default=640, help="positions decode attends to (the benchmark's bucket)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--graphs", default="read,gemvs,gemvs+attention,fixed", help="which of the graphs, comma-separated")
+    ap.add_argument("--no-round-copies", action="store_true", help="copy bandwidth in the first and last rounds only")
     args = ap.parse_args()
     dev = torch.device("cuda")
     for f in args.engine_json:
         gemv.BLOCKS.update({k: tuple(v) for k, v in json.loads(f.read_text())["options"]["gemv_blocks"].items()})
     out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
            "commit": os.environ.get("MOSSBUILD_COMMIT", "unknown"),
-           "command": "PYTHONPATH=. python3 benchmarks/probe_bound.py " + " ".join(
-               f"--engine-json {f}" for f in args.engine_json) + f" --kv-len {args.kv_len} --rounds {args.rounds}",
-           "config": {"kv_len": args.kv_len, "rounds": args.rounds, "blocks": {k: list(v) for k, v in gemv.BLOCKS.items()}},
+           "command": "PYTHONPATH=. python3 " + shlex.join(sys.argv),
+           "config": {**{k: str(v) for k, v in vars(args).items()}, "blocks": {k: list(v) for k, v in gemv.BLOCKS.items()}},
            "precisions": {}}  # fmt: skip
     for name, fp8 in (("bf16", False), ("fp8", True)):
         say(f"{name}: building and timing")
-        out["precisions"][name] = chains(fp8, dev, args.kv_len, args.rounds)
+        out["precisions"][name] = chains(fp8, dev, args.kv_len, args.rounds, args.graphs.split(","), not args.no_round_copies)
         torch.cuda.empty_cache()
     heads = " | ".join(f"{k} ms (x floor)" for k in out["precisions"]["bf16"]["ms"])
     lines = [f"| precision | copy TB/s | floor ms | {heads} | goal's step ms |"]
