@@ -56,8 +56,8 @@ def weight(n: int, k: int, fp8: bool, dev: torch.device) -> torch.Tensor:
 class Layer:
     """One decoder layer's weights, norms and caches; FP8 weights with per-tensor scales of 1."""
 
-    def __init__(self, fp8: bool, dev: torch.device, kv_len: int, max_seq: int):
-        self.fp8, self.kv_len = fp8, kv_len
+    def __init__(self, fp8: bool, dev: torch.device):
+        self.fp8 = fp8
         self.w = {
             "qkv": weight(QKV, H, fp8, dev),
             "dense": weight(H, H, fp8, dev),
@@ -66,9 +66,13 @@ class Layer:
         }
         self.norm = torch.ones(H, device=dev, dtype=BF)
         self.qk_norm = torch.ones(D, device=dev, dtype=BF)
-        self.k_cache = torch.randn(1, HKV, max_seq, D, device=dev, dtype=BF)
-        self.v_cache = torch.randn_like(self.k_cache)
         self.one = torch.ones(1, device=dev)
+
+    def add_caches(self, kv_len: int, max_seq: int) -> Layer:
+        self.kv_len = kv_len
+        self.k_cache = torch.randn(1, HKV, max_seq, D, device=self.norm.device, dtype=BF)
+        self.v_cache = torch.randn_like(self.k_cache)
+        return self
 
     def step(self, h: torch.Tensor, x8: torch.Tensor, rope: tuple, pos: torch.Tensor, attend: bool) -> torch.Tensor:
         """The layer's GEMVs (FP8: on a stand-in quantized input, as the quantize kernels are
@@ -90,9 +94,17 @@ class Layer:
         return gemv.launch(act, w["proj"], BF, residual=h)
 
 
-def chains(fp8: bool, dev: torch.device, kv_len: int, rounds: int, names: list[str], round_copies: bool) -> dict:
-    """The three graphs for one precision, timed in turn: median ms a replay, and every round."""
-    layers = [Layer(fp8 and i < SPEC.num_shared_layers, dev, kv_len, kv_len + 128) for i in range(SPEC.num_layers)]
+def chains(fp8: bool, dev: torch.device, args: argparse.Namespace) -> dict:
+    """The graphs for one precision, timed in turn: median ms a replay, and every round. The
+    caches are allocated after all the weights (--interleave-caches: each after its layer's)."""
+    kv_len, rounds, names, round_copies = args.kv_len, args.rounds, args.graphs.split(","), not args.no_round_copies
+    layers = []
+    for i in range(SPEC.num_layers):
+        layers.append(Layer(fp8 and i < SPEC.num_shared_layers, dev))
+        if args.interleave_caches:
+            layers[-1].add_caches(kv_len, kv_len + 128)
+    if not args.interleave_caches:
+        layers = [layer.add_caches(kv_len, kv_len + 128) for layer in layers]
     head, head_norm = weight(SPEC.audio_vocab_size, H, False, dev), torch.ones(H, device=dev, dtype=BF)
     nbytes = roofline.step_bytes(SPEC, 1 if fp8 else 2, 2, need_text=False, text_branch=False)
     chunk = nbytes // 8 // (H * (1 if fp8 else 2))
@@ -166,6 +178,7 @@ def main() -> None:
     ap.add_argument("--kv-len", type=int, default=640, help="positions decode attends to (the benchmark's bucket)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--graphs", default="read,gemvs,gemvs+attention,fixed", help="which of the graphs, comma-separated")
+    ap.add_argument("--interleave-caches", action="store_true", help="each layer's caches allocated beside its weights")
     ap.add_argument("--no-round-copies", action="store_true", help="copy bandwidth in the first and last rounds only")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -178,7 +191,7 @@ def main() -> None:
            "precisions": {}}  # fmt: skip
     for name, fp8 in (("bf16", False), ("fp8", True)):
         say(f"{name}: building and timing")
-        out["precisions"][name] = chains(fp8, dev, args.kv_len, args.rounds, args.graphs.split(","), not args.no_round_copies)
+        out["precisions"][name] = chains(fp8, dev, args)
         torch.cuda.empty_cache()
     heads = " | ".join(f"{k} ms (x floor)" for k in out["precisions"]["bf16"]["ms"])
     lines = [f"| precision | copy TB/s | floor ms | {heads} | goal's step ms |"]
