@@ -95,16 +95,11 @@ class Layer:
 
 
 def chains(fp8: bool, dev: torch.device, args: argparse.Namespace) -> dict:
-    """The graphs for one precision, timed in turn: median ms a replay, and every round. The
-    caches are allocated after all the weights (--interleave-caches: each after its layer's)."""
-    kv_len, rounds, names, round_copies = args.kv_len, args.rounds, args.graphs.split(","), not args.no_round_copies
-    layers = []
-    for i in range(SPEC.num_layers):
-        layers.append(Layer(fp8 and i < SPEC.num_shared_layers, dev))
-        if args.interleave_caches:
-            layers[-1].add_caches(kv_len, kv_len + 128)
-    if not args.interleave_caches:
-        layers = [layer.add_caches(kv_len, kv_len + 128) for layer in layers]
+    """The graphs for one precision, timed in turn: median ms a replay, and every round, with the
+    copy bandwidth measured before each round."""
+    kv_len, rounds, names = args.kv_len, args.rounds, args.graphs.split(",")
+    trunk, audio = SPEC.num_shared_layers, SPEC.num_modality_layers  # an audio step's layers: no text branch
+    layers = [Layer(fp8 and i < trunk, dev).add_caches(kv_len, kv_len + 128) for i in range(trunk + audio)]
     head, head_norm = weight(SPEC.audio_vocab_size, H, False, dev), torch.ones(H, device=dev, dtype=BF)
     nbytes = roofline.step_bytes(SPEC, 1 if fp8 else 2, 2, need_text=False, text_branch=False)
     chunk = nbytes // 8 // (H * (1 if fp8 else 2))
@@ -153,9 +148,8 @@ def chains(fp8: bool, dev: torch.device, args: argparse.Namespace) -> dict:
         graphs[label] = graph
     times: dict[str, list[float]] = {label: [] for label in graphs}
     bandwidth = []  # the copy bandwidth in every round: the floor where the chains ran
-    for r in range(rounds):
-        if round_copies or r in (0, rounds - 1):
-            bandwidth.append(roofline.copy_bandwidth(dev))
+    for _ in range(rounds):
+        bandwidth.append(roofline.copy_bandwidth(dev))
         for label, graph in graphs.items():
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -178,8 +172,6 @@ def main() -> None:
     ap.add_argument("--kv-len", type=int, default=640, help="positions decode attends to (the benchmark's bucket)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--graphs", default="read,gemvs,gemvs+attention,fixed", help="which of the graphs, comma-separated")
-    ap.add_argument("--interleave-caches", action="store_true", help="each layer's caches allocated beside its weights")
-    ap.add_argument("--no-round-copies", action="store_true", help="copy bandwidth in the first and last rounds only")
     args = ap.parse_args()
     dev = torch.device("cuda")
     for f in args.engine_json:
