@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.probe_parts import (
     call_split,
     defer_fill_ab,
+    dot_ab,
     glu_ab,
     kernel_summary,
     loop,
@@ -262,7 +263,7 @@ def _variant(name: str, spec, tensors, options: EngineOptions, ref, prompts, ids
         v["profile"] = profile(eng, ids)
     if name.startswith("fp8") and "ab" in name.split()[-1].split("+"):  # the A/B of fast accumulation
         v["prefill_ab"] = prefill_ab(eng, ids)
-    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "callsplit": call_split}
+    parts = {"deferab": defer_fill_ab, "gluab": glu_ab, "resab": resident_ab, "dotab": dot_ab, "callsplit": call_split}
     for word, part in parts.items():
         if word in name.split()[-1].split("+"):
             try:  # one part failing must not cost the variant's other measurements
@@ -295,7 +296,7 @@ def main() -> None:
         help="comma-separated; each name's +-words pick the options: graphs, compile, gemv, attn (decode_attention), "
         "nodefer (no deferred GEMV body offered to the tuner), "
         "defer (the text branch deferred to the next text-mode step), "
-        "deferab / gluab / resab (decode A/Bs: deferred text fill, GLU, resident GEMV), "
+        "deferab / gluab / resab / dotab (decode A/Bs: deferred text fill, GLU, resident GEMV, tensor-core GEMV), "
         "callsplit (an engine call's pieces timed), "
         "fastacc (FP8 fast accumulation), ab (FP8: "
         "prefill timed with fast accumulation off and on in turn), "

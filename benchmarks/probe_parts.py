@@ -216,17 +216,18 @@ def glu_ab(engine, ids: Ids, dev: torch.device) -> dict:
     return interleaved_ab(engine, ids, dev, {"glu": setting(True), "silu_prologue": setting(False)})
 
 
-def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
-    """The GEMV's blocks tuned with the resident body offered (as built) against tuned without
-    it, each setting's blocks captured in its own graphs; and each use's tuned time both ways."""
+def body_ab(engine, ids: Ids, dev: torch.device, attr: str, labels: tuple[str, str]) -> dict:
+    """The GEMV's blocks tuned with one body offered (as built) against tuned without it (`attr`,
+    that body's choices in `gemv`, emptied for the retune), each setting's blocks captured in its
+    own graphs; and each use's tuned time both ways."""
     from workflow.cudagraphs import Graphs
     from workflow.engines import gemv
 
-    with_resident, saved = dict(gemv.BLOCKS), gemv.RESIDENT_N
+    with_body, saved = dict(gemv.BLOCKS), getattr(gemv, attr)
     timed_with = {k: gemv.TUNED_MS.get(k) for k in engine.gemv_blocks}
-    gemv.RESIDENT_N = ()
+    setattr(gemv, attr, ())
     gemv.tune(engine.gemv_uses())
-    gemv.RESIDENT_N = saved
+    setattr(gemv, attr, saved)
     without = dict(gemv.BLOCKS)
     timed_without = {k: gemv.TUNED_MS.get(k) for k in engine.gemv_blocks}
 
@@ -240,10 +241,20 @@ def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
 
         return apply
 
-    out = interleaved_ab(engine, ids, dev, {"resident": setting(with_resident), "tiled": setting(without)})
+    out = interleaved_ab(engine, ids, dev, {labels[0]: setting(with_body), labels[1]: setting(without)})
     out["tuned_us"] = {k: [round(1000 * (timed_with[k] or 0), 1), round(1000 * (timed_without[k] or 0), 1)] for k in timed_with}
-    out["blocks"] = {k: [with_resident.get(k), without.get(k)] for k in engine.gemv_blocks}
+    out["blocks"] = {k: [with_body.get(k), without.get(k)] for k in engine.gemv_blocks}
     return out
+
+
+def resident_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """The resident GEMV body offered to the tuner (as built) against not (probe 18)."""
+    return body_ab(engine, ids, dev, "RESIDENT_N", ("resident", "tiled"))
+
+
+def dot_ab(engine, ids: Ids, dev: torch.device) -> dict:
+    """The tensor-core GEMV body offered to the tuner (as built) against not (probe 33)."""
+    return body_ab(engine, ids, dev, "DOT_N", ("dot", "cuda-cores"))
 
 
 def steady_key(engine) -> tuple:

@@ -61,12 +61,40 @@ def test_deferred_body_equals_torch(block_k):
 def test_tuning_offers_fp8_both_bodies_within_the_register_budget():
     found = gemv.candidates(4096, 1)
     assert {c[3] for c in found} == {0, 1}
-    assert all(bn * bk <= gemv.DEFER_REGS * 32 * w for bn, bk, w, defer, _ in found if defer)
+    assert all(bn * bk <= gemv.DEFER_REGS * 32 * w for bn, bk, w, defer, _, _ in found if defer)
     assert {c[3] for c in gemv.candidates(4096, 2)} == {0}  # bf16: per tile only (probe 11)
-    assert all(bk <= 128 for _, bk, _, _, _ in gemv.candidates(100, 2))  # no tile wider than K's power of two
+    assert all(bk <= 128 for _, bk, *_ in gemv.candidates(100, 2))  # no tile wider than K's power of two
     resident = [c for c in found if c[4]]  # x's whole row in registers: K up to RESIDENT_MAX_K
-    assert resident and all(bk == 4096 and not defer for _, bk, _, defer, _ in resident)
+    assert resident and all(bk == 4096 and not defer for _, bk, _, defer, _, _ in resident)
     assert not any(c[4] for c in gemv.candidates(12288, 2))
+
+
+def test_tensor_cores_are_offered_to_fp8_weights_read_as_stored():
+    """The tensor-core body: FP8 weights whose input needs no prologue (qkv, gate_up: "", dense,
+    proj: "res"), never bf16, a norm or silu prologue, or the GLU epilogue."""
+    for fl in ("", "res"):
+        dot = [c for c in gemv.candidates(4096, 1, fl) if c[5]]
+        assert dot and all(not (defer or per_sm) for _, _, _, defer, per_sm, _ in dot)
+        assert {c[0] >= 64 for c in dot} == {True, False}  # both operand orders
+    for k, nbytes, fl in ((4096, 2, ""), (4096, 2, "res"), (4096, 1, "norm"), (12288, 1, "silu+res"), (4096, 1, "glu")):
+        assert not any(c[5] for c in gemv.candidates(k, nbytes, fl))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("block", [(32, 64, 4, 0, 0, 2), (64, 128, 4, 0, 0, 3)])
+def test_tensor_core_body_equals_torch(rows, block):
+    """FP8 x and w multiplied as stored, each part of w's rows with its own scale, the residual
+    added; N and K ragged against the blocks, x's rows padded to 16; a prologue is refused."""
+    k, n = 200, 70
+    w, a, ws = torch.randn(n, k), torch.tensor([0.02]), torch.tensor([0.004, 0.01])
+    w8 = torch.cat([fp8.quantize(w[: n // 2], ws[:1]), fp8.quantize(w[n // 2 :], ws[1:])])
+    xq, r = fp8.quantize(torch.randn(rows, k), a), torch.randn(rows, n)
+    got = gemv.launch(xq, w8, torch.float32, scale=a * ws, residual=r, block=block)
+    deq = torch.cat([w8[: n // 2].double() * ws[0].item(), w8[n // 2 :].double() * ws[1].item()])
+    want = r.double() + (xq.double() * a.item()) @ deq.t()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="tensor-core"):
+        gemv.launch(xq, w8, torch.float32, scale=a * ws, norm=torch.ones(k), block=block)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
@@ -135,9 +163,11 @@ def test_blocks_stored_before_the_deferred_body_still_load():
     """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps[, defer]): one program a
     column block."""
     gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4)
-    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 0, 0)
+    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 0, 0, 0)
     gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4, 1)
-    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 1, 0)
+    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 1, 0, 0)
+    gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (2, 128, 4, 0, 4)
+    assert gemv.config_for(64, 128, 1, "res") == (2, 128, 4, 0, 4, 0)
 
 
 def test_too_many_rows_is_refused():

@@ -18,7 +18,11 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
   or, `resident` (K up to RESIDENT_MAX_K), a few programs a multiprocessor that read x's whole
   row and run the prologue once, then stride over column blocks (bf16 decode -0.06 ms on an
-  H100: benchmarks/results/2026-11-22-h100-probe18);
+  H100: benchmarks/results/2026-11-22-h100-probe18); or, `dot` (FP8 weights, x as stored, no
+  prologue or GLU), tensor cores: e4m3 times e4m3 with no conversion, x's rows padded to 16,
+  loads pipelined over `dot` stages. A CUDA-core FP8 GEMV converts every weight byte before
+  its multiply, which on an H200 caps it at 4.13 TB/s where tensor cores read 4.49 (gate_up
+  28.4 -> 25.4 us; benchmarks/results/2026-11-24-h200-probe33);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
   the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
   program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
@@ -49,31 +53,36 @@ def available() -> bool:
     return triton is not None
 
 
-BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer, per_sm), from `tune`
+BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer, per_sm, dot), from `tune`
 BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
 BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
 DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512, 1024)  # the deferred body holds BLOCK_N x BLOCK_K floats
 DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
+DOT_N, DOT_K, DOT_STAGES = (32, 64, 128), (128, 256), (2, 4)  # the tensor-core body (FP8, flags "" or "res")
+Block = tuple[int, int, int, int, int, int]
 TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
-def candidates(k: int, weight_bytes: int) -> list[tuple[int, int, int, int, int]]:
+def candidates(k: int, weight_bytes: int, fl: str = "") -> list[Block]:
     """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
     tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
     registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
     (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms). And, for K up to
     RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
-    and running its prologue once, then striding over column blocks."""
+    and running its prologue once, then striding over column blocks. For FP8 weights read with
+    no prologue and no GLU (`fl` "" or "res"), the tensor-core body."""
     fits = triton.next_power_of_2(k)
-    tiled = [(bn, bk, w, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
-    deferred = [(bn, bk, w, 1, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
+    tiled = [(bn, bk, w, 0, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
+    deferred = [(bn, bk, w, 1, 0, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
     deferred = deferred if weight_bytes == 1 else []
-    resident = [(bn, fits, w, 0, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
+    resident = [(bn, fits, w, 0, p, 0) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
     resident = resident if k <= RESIDENT_MAX_K else []
+    dot = [(bn, bk, 4, 0, 0, s) for bn in DOT_N for bk in DOT_K for s in DOT_STAGES if bk <= fits]
+    dot = dot if weight_bytes == 1 and fl in ("", "res") else []
     ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
-    return ok + resident
+    return ok + resident + dot
 
 
 def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
@@ -93,15 +102,15 @@ def key(n: int, k: int, weight_bytes: int, fl: str) -> str:
     return f"{n}x{k}:{weight_bytes}:{fl}"
 
 
-def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, defer, per_sm) for an N x K weight: the tuned one, else a
-    default. Engines built before the deferred and resident bodies stored three or four numbers:
-    theirs is the per-tile body (or the deferred one), one program a column block."""
+def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> Block:
+    """(BLOCK_N, BLOCK_K, num_warps, defer, per_sm, dot) for an N x K weight: the tuned one, else
+    a default. Engines built before the deferred, resident and tensor-core bodies stored three to
+    five numbers: theirs is the per-tile body (or the deferred or resident one)."""
     found = BLOCKS.get(key(n, k, weight_bytes, fl), (8, min(512, triton.next_power_of_2(k)), 4))
-    return (*found, 0, 0)[:5]
+    return (*found, 0, 0, 0)[:6]
 
 
-def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tuple[int, int, int, int, int]]:
+def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, Block]:
     """Time every candidate block shape for each (weight, flags) use, one row of x, on the
     weight's device, and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run once
     at build on the target GPU, stored with the engine, reloaded by `BLOCKS.update`."""
@@ -122,24 +131,29 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, tupl
             "glu": "glu" in on,
         }
         times = {}
-        for block in candidates(k, nbytes):
+        for block in candidates(k, nbytes, fl):
             launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
             graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
             with torch.cuda.graph(graph):
                 for i in range(reps):
                     launch(x, copies[i % len(copies)], act, block=block, **args)
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[block] = start.elapsed_time(end) / reps
+            times[block] = replay_ms(graph) / reps
         found[name] = min(times, key=times.get)
         TUNED_MS[name] = times[found[name]]
         del copies
     BLOCKS.update(found)
     return found
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """ms of one replay of a captured graph (replayed once before, untimed), by CUDA events."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 if triton is not None:
@@ -243,17 +257,46 @@ if triton is not None:
         tl.store(y_ptr + out_ptrs, y, mask=ok)
 
     @triton.jit
+    def _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, rm, m_ok, N, rows_per_part, K: tl.constexpr,
+             HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             STAGES: tl.constexpr):  # fmt: skip
+        """The tensor-core body: x's rows (padded to BLOCK_M = 16) times the weight tile as stored,
+        float32 accumulation, loads pipelined over STAGES. From 64 rows the weight is the left
+        operand (Hopper's wgmma wants M >= 64), else x is."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        if BLOCK_N >= 64:  # noqa: SIM108 (constexpr: one branch compiled)
+            acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        else:
+            acc = tl.zeros((16, BLOCK_N), tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w, _ = _rows(w_ptr, rn, rk, k_ok, N, K, False)
+            if BLOCK_N >= 64:  # noqa: SIM108
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        if BLOCK_N >= 64:
+            acc = tl.trans(acc)
+        _store(acc, acc, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, False, False)
+
+    @triton.jit
     def _gemv(
         x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr,
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
-        if RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
+        if DOT:  # tensor cores, DOT pipeline stages
+            _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, rm, m_ok, N, rows_per_part, K, HAS_RES, HAS_SCALE,
+                 BLOCK_N, BLOCK_K, DOT)  # fmt: skip
+        elif RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
             first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # its first column block; GLU: rows rn and N + rn
@@ -310,8 +353,10 @@ def launch(
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
     up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
-    num_warps[, defer[, per_sm]]), else `config_for` the use; defer: one row only; per_sm: the
-    resident body with that many programs a multiprocessor (BLOCK_K >= K)."""
+    num_warps[, defer[, per_sm[, dot]]]), else `config_for` the use; defer: one row only; per_sm:
+    the resident body with that many programs a multiprocessor (BLOCK_K >= K); dot: the
+    tensor-core body with that many pipeline stages (x as stored, of w's dtype: no prologue, no
+    GLU)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -322,9 +367,11 @@ def launch(
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
     fl = flags(norm is not None, silu_mul, residual is not None, glu)
-    block_n, block_k, warps, defer, per_sm = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0)[:5]
+    block_n, block_k, warps, defer, per_sm, dot = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0, 0)[:6]
     if per_sm and block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
+    if dot and (norm is not None or silu_mul or glu or x.dtype != w.dtype):
+        raise ValueError(f"gemv: the tensor-core body reads x as stored, of w's dtype: no prologue, no GLU ({fl}, {x.dtype})")
     blocks = triton.cdiv(n, block_n)
     programs = min(blocks, per_sm * multiprocessors(x.device)) if per_sm else blocks
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
@@ -335,8 +382,8 @@ def launch(
         m, n, w.shape[0] // parts, eps, programs,
         K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm),
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), DOT=dot,
+        BLOCK_M=16 if dot else max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
