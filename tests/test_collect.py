@@ -31,11 +31,12 @@ def collect(tmp_path: Path, run: str, *variants: str) -> dict:
         "2026-11-24-h100-full11",
         "2026-11-24-h100-full12",
         "2026-11-24-h200-full4",
+        "2026-11-24-h200-full5",
     ],
 )
 def test_both_variants_give_the_committed_summary(tmp_path, run):
-    """H100 runs 7, 9, 10, 11 and 12 and H200 run 4 (README's table quotes H100 run 11 and H200 run
-    4, its text run 12): each summary.json, recomputed from its two variants' files."""
+    """H100 runs 7, 9, 10, 11 and 12 and H200 runs 4 and 5 (README's table quotes H100 run 11 and
+    H200 run 5, its text runs 12 and 4): each summary.json, recomputed from its two variants' files."""
     got = collect(tmp_path, run, "bf16", "fp8")
     want = json.loads((RESULTS / run / "summary.json").read_text())
     keys = ("decode_step_ms", "decode_vs_floor", "fp8_decode_speedup", "fp8_prefill_speedup", "ttfa_ms_p50")
