@@ -37,6 +37,7 @@ Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it again
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -120,7 +121,7 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, Bloc
         name = key(n, k, nbytes, fl)
         if name in found:
             continue
-        copies = [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * nbytes)) - 1)]
+        copies = l2_copies(w)
         act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
         x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
         args = {
@@ -132,12 +133,7 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, Bloc
         }
         times = {}
         for block in candidates(k, nbytes, fl):
-            launch(x, w, act, block=block, **args)  # compile the kernel outside the capture
-            graph = torch.cuda.CUDAGraph()  # launch gaps would hide the kernel's own time
-            with torch.cuda.graph(graph):
-                for i in range(reps):
-                    launch(x, copies[i % len(copies)], act, block=block, **args)
-            times[block] = replay_ms(graph) / reps
+            times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
         found[name] = min(times, key=times.get)
         TUNED_MS[name] = times[found[name]]
         del copies
@@ -145,15 +141,28 @@ def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, Bloc
     return found
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-    """ms of one replay of a captured graph (replayed once before, untimed), by CUDA events."""
+def l2_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """w and enough clones of it that, read in turn, they overflow L2: a timed call finds no
+    weight bytes cached, as in a decode step that reads each weight once."""
+    return [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * w.element_size())) - 1)]
+
+
+def call_ms(call: Callable[[torch.Tensor], object], copies: list[torch.Tensor], reps: int = 20) -> float:
+    """ms a call of `call(weight)`: compiled outside the capture, then `reps` calls cycling
+    through `copies` replayed from one CUDA graph (launch gaps would hide the kernel's own
+    time), the graph replayed once untimed first."""
+    call(copies[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            call(copies[i % len(copies)])
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / reps
 
 
 if triton is not None:
@@ -258,29 +267,30 @@ if triton is not None:
 
     @triton.jit
     def _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, rm, m_ok, N, rows_per_part, K: tl.constexpr,
-             HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             STAGES: tl.constexpr):  # fmt: skip
+             HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
         """The tensor-core body: x's rows (padded to BLOCK_M = 16) times the weight tile as stored,
         loads pipelined over STAGES. From 64 rows the weight is the left operand (Hopper's wgmma
         wants M >= 64), else x is. Hopper's FP8 tensor cores accumulate with fewer bits than
         float32, as cuBLASLt's fast accumulation (the FP8 prefill's) does: 1-2.5 bf16 ulps of the
         largest output in probe 33, and verify passed on an H200 with it."""
+        W_FIRST: tl.constexpr = BLOCK_N >= 64
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        if BLOCK_N >= 64:  # noqa: SIM108 (constexpr: one branch compiled)
-            acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        if W_FIRST:  # noqa: SIM108 (constexpr: one branch compiled)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         else:
-            acc = tl.zeros((16, BLOCK_N), tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w, _ = _rows(w_ptr, rn, rk, k_ok, N, K, False)
-            if BLOCK_N >= 64:  # noqa: SIM108
+            if W_FIRST:  # noqa: SIM108
                 acc = tl.dot(w, tl.trans(x), acc)
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
-        if BLOCK_N >= 64:
+        if W_FIRST:
             acc = tl.trans(acc)
         _store(acc, acc, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, False, False)
 
@@ -297,7 +307,7 @@ if triton is not None:
         m_ok = rm < M
         if DOT:  # tensor cores, DOT pipeline stages
             _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, rm, m_ok, N, rows_per_part, K, HAS_RES, HAS_SCALE,
-                 BLOCK_N, BLOCK_K, DOT)  # fmt: skip
+                 BLOCK_M, BLOCK_N, BLOCK_K, DOT)  # fmt: skip
         elif RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
