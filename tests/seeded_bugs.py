@@ -1,10 +1,11 @@
-"""Seeded conversion bugs, in one table: each must make verify fail, on the metric named here.
+"""Seeded bugs, in one table: each must make verify fail, on the metric named here.
 
-A bug changes a correct checkpoint (as convert or calibrate writes it) before build, or a
-loaded engine (faults that live only in a running engine). `fails` is the start of the
-verify failure that must report it: `teacher_forced.` (prefill logits differ) or
-`teacher_forced_decode.` (only logits read through the KV caches differ). A bug whose
-checkpoint build must refuse names the one-line message instead (`refused_at_build`).
+A bug changes a correct checkpoint (as convert or calibrate writes it) before build, a loaded
+engine (faults that live only in a running engine), or the generation loop (`loop` replaces
+workflow.generate.advance). `fails` is the start of the verify failure that must report it:
+`config.` (a field differs from the HF config), `teacher_forced.` (prefill logits differ),
+`teacher_forced_decode.` (only logits read through the KV caches differ) or `greedy.`. A bug
+whose checkpoint build must refuse names the one-line message instead (`refused_at_build`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from workflow.engines.torch_engine import TorchEngine
+from workflow.generate import advance
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
@@ -28,6 +30,7 @@ class SeededBug:
     fails: str = "teacher_forced."
     checkpoint: Mutate | None = None
     engine: Callable[[TorchEngine], None] | None = None
+    loop: Callable | None = None  # in place of workflow.generate.advance
     refused_at_build: str | None = None  # the problem build reports, for a checkpoint it must refuse
 
 
@@ -69,6 +72,13 @@ def swap_final_norms(t, cfg, spec):
     _swap(t, "transformer.ln_f.weight", "transformer.audio_ln_f.weight")
 
 
+def norm_epsilon_10x(t, cfg, spec):
+    """The norm epsilon written 10 times too large: on the tiny model's activations the logits
+    move less than the thresholds allow, so only the config check can see it."""
+    assert cfg["norm_epsilon"] == 1e-6
+    cfg["norm_epsilon"] = 1e-5
+
+
 def swap_heads(t, cfg, spec):
     """The text and audio heads exchanged: different shapes, so build must refuse it."""
     _swap(t, "lm_head.weight", "audio_lm_head.weight")
@@ -103,11 +113,21 @@ def deferred_fill_skips_a_position(engine: TorchEngine) -> None:
     engine._catch_up_text = skipping
 
 
+def switch_fed_in_its_new_mode(text_tok, audio_tok, audio_mode, ids):
+    """The step that switches modality fed as if sampled in the mode it switches to: the
+    start-of-speech step embedded as an audio position, the end-of-speech step as the text token
+    sampled beside it. Every other step is fed right, so only runs that switch can see it."""
+    next_mode = torch.where(audio_mode, audio_tok != ids.eosp, text_tok == ids.sosp)
+    tokens, _, stopped = advance(text_tok, audio_tok, next_mode, ids)
+    return tokens, next_mode, stopped
+
+
 BUGS = [
     SeededBug("mlp_halves_swapped", "bf16", checkpoint=swap_mlp_halves),
     SeededBug("qk_norm_dropped", "bf16", checkpoint=drop_qk_norm),
     SeededBug("weight_transposed", "bf16", checkpoint=transpose_dense),
     SeededBug("rope_base_wrong", "bf16", checkpoint=wrong_rope_base),
+    SeededBug("norm_epsilon_10x", "bf16", fails="config.norm_epsilon 1e-05 vs 1e-06", checkpoint=norm_epsilon_10x),
     SeededBug("final_norms_swapped", "bf16", checkpoint=swap_final_norms),
     SeededBug(
         "heads_swapped",
@@ -120,4 +140,5 @@ BUGS = [
     SeededBug(
         "deferred_text_fill_skips_a_position", "bf16", fails="teacher_forced_decode.text.", engine=deferred_fill_skips_a_position
     ),
+    SeededBug("switch_embedded_wrong", "bf16", fails="greedy.match_fraction", loop=switch_fed_in_its_new_mode),
 ]

@@ -7,11 +7,12 @@ import torch
 from conftest import CONFIG, build_engine, verify_params, write_variant
 from seeded_bugs import BUGS
 
+from workflow import generate as generate_module
 from workflow import traffic, verify
 from workflow.download import load_hf_state
 from workflow.engines import load_engine
 from workflow.errors import InputError
-from workflow.generate import Ids
+from workflow.generate import Ids, generate
 from workflow.reference import MossSpeechReference
 from workflow.spec import load_spec
 
@@ -32,8 +33,15 @@ def test_correct_engine_passes(tiny_engine_dir, tiny_ckpt, tiny_hf, tmp_path):
     for head in ("text", "audio"):
         m = report["teacher_forced"][head]
         assert m["top1"] == 1.0 and m["max_abs_diff"] < 1e-3 and m["positions_used"] > 0
-    assert report["greedy"]["match_fraction"] == 1.0
-    assert report["greedy"]["modality_switches"] >= 1
+    assert report["config"]["differences"] == [] and report["config"]["fields_checked"] > 30
+    g = report["greedy"]
+    assert g["match_fraction"] == 1.0 and g["matched"] == g["sequences"] and g["diverged_at_tie"] == 0
+    # forced switches, both directions, beside the planted model's own, and counted apart
+    assert g["force_switch_at"] == CONFIG["verify"]["force_switch_at"]
+    assert g["forced_switches"] >= 2 * g["sequences"] and g["natural_switches"] >= 1
+    assert g["modality_switches"] == g["forced_switches"] + g["natural_switches"]
+    assert g["modality_switches"] == g["switches_to_audio"] + g["switches_to_text"]
+    assert min(g["switches_to_audio"], g["switches_to_text"]) >= g["sequences"]
 
 
 def _checkpoint(precision, request):
@@ -64,7 +72,7 @@ def evaluate_engine(engine, hf, precision: str = "bf16") -> dict:
     spec = load_spec(hf)
     ref = MossSpeechReference(spec, load_hf_state(hf), torch.float32, "cpu")
     prompts = traffic.batch(p["num_prompts"], p["prompt_len"], Ids.of(spec), p["seed"])
-    return verify.evaluate(engine, ref, prompts, p["greedy_steps"], p["thresholds"][precision])
+    return verify.evaluate(engine, ref, prompts, p["greedy_steps"], p["thresholds"][precision], p["force_switch_at"])
 
 
 @pytest.mark.parametrize("bug", [b for b in BUGS if b.engine], ids=lambda b: b.name)
@@ -75,6 +83,53 @@ def test_seeded_engine_bug_fails_verify(bug, tiny_engine_dir, tiny_hf):
     report = evaluate_engine(engine, tiny_hf)
     assert report["passed"] is False
     assert any(f.startswith(bug.fails) for f in report["failures"]), report["failures"]
+
+
+@pytest.mark.parametrize("bug", [b for b in BUGS if b.loop], ids=lambda b: b.name)
+def test_seeded_loop_bug_fails_verify(bug, tiny_engine_dir, tiny_hf, monkeypatch):
+    """The loop under test is the product's (workflow.generate); the reference runs its own
+    (reference.greedy_reference), so a loop bug on the engine's side cannot hide."""
+    engine = load_engine(tiny_engine_dir)
+    monkeypatch.setattr(generate_module, "advance", bug.loop)
+    report = evaluate_engine(engine, tiny_hf)
+    assert report["passed"] is False
+    assert any(f.startswith(bug.fails) for f in report["failures"]), report["failures"]
+
+
+def test_forced_switches_go_through_the_loop_as_sampled_ones(tiny_engine_dir, tiny_hf):
+    """At a forced step the switch token takes the sampled one's place on both sides, and
+    what follows (embedding choice, modality pad, the head read, the deferred text fill)
+    still matches the reference token for token."""
+    engine = load_engine(tiny_engine_dir)
+    engine.defer_text_fill = True
+    spec = load_spec(tiny_hf)
+    ids = Ids.of(spec)
+    ref = MossSpeechReference(spec, load_hf_state(tiny_hf), torch.float32, "cpu")
+    prompts = traffic.batch(2, 40, ids, seed=31)
+    force = frozenset({0, 1, 5, 9})
+    g = verify.greedy(engine, ref, prompts, 12, ids, force)
+    assert g["match_fraction"] == 1.0 and g["forced_switches"] == 8
+    out = generate(engine, prompts, 12, ids, force_switch_at=force)
+    for b in range(2):
+        modes = out.audio_mode[b].tolist()
+        for k in sorted(force):
+            switch = (ids.pad, ids.eosp) if modes[k] else (ids.sosp, ids.audio_pad)
+            assert out.tokens[b, k].tolist() == list(switch)
+            assert modes[k + 1] != modes[k]
+
+
+def test_a_checkpoint_that_never_switches_by_itself_still_crosses_switches(tiny_engine_dir, tiny_hf):
+    """Without forcing, a model that does not switch within the greedy steps fails
+    min_switches whatever its engine computes; forced switches make it pass, reported as such."""
+    engine = load_engine(tiny_engine_dir)
+    spec = load_spec(tiny_hf)
+    ids = Ids.of(spec)
+    ref = MossSpeechReference(spec, load_hf_state(tiny_hf), torch.float32, "cpu")
+    prompts = traffic.speech_prompt(1, 24, ids, seed=3)[:, :-1]  # text, not yet asked to speak
+    alone = verify.greedy(engine, ref, prompts, 3, ids, frozenset())
+    assert alone["modality_switches"] == 0
+    forced = verify.greedy(engine, ref, prompts, 3, ids, frozenset({0, 1}))
+    assert forced["forced_switches"] == 2 and forced["switches_to_audio"] == forced["switches_to_text"] == 1
 
 
 def test_an_engine_deferring_the_text_branch_passes_verify(tiny_engine_dir, tiny_hf):

@@ -6,6 +6,10 @@ Every step samples a text token and an audio token (FACTS.md section 1, official
   switches back to text;
 - the next input is (text, audio): embedded by the text id unless it is modality_pad;
 - a stop id on the text channel (in text mode) ends the sequence.
+A switch can also be forced at chosen steps (`force_switch_at`): the sampled token is replaced
+by start-of-speech (text mode) or end-of-speech (audio mode) and then goes through the same
+`advance` as a sampled one. verify uses this so that every checkpoint crosses switches, whether
+or not its weights switch by themselves within a few dozen greedy steps.
 In audio mode the text logits are never read, so the engine may skip the text head, at the
 prefill (a prompt ending in start-of-speech) and at every decode step.
 """
@@ -77,6 +81,17 @@ def advance(
     return torch.stack([text_tok, audio_tok], dim=-1), next_mode, stopped
 
 
+def force_switch(
+    text_tok: torch.Tensor, audio_tok: torch.Tensor, audio_mode: torch.Tensor, ids: Ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled tokens with the switch out of each sequence's mode put in their place:
+    start-of-speech on the text channel in text mode, end-of-speech on the audio channel in
+    audio mode."""
+    text_tok = torch.where(audio_mode, text_tok, torch.full_like(text_tok, ids.sosp))
+    audio_tok = torch.where(audio_mode, torch.full_like(audio_tok, ids.eosp), audio_tok)
+    return text_tok, audio_tok
+
+
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """Repetition penalty (CTRL / Hugging Face): divide positive, multiply negative logits."""
     if penalty == 1.0:
@@ -130,6 +145,7 @@ def generate(
     min_speech_tokens: int = 0,
     skip_text_head: bool = True,
     on_step: Callable[[int, torch.Tensor, list[bool]], None] | None = None,
+    force_switch_at: frozenset[int] = frozenset(),
 ) -> Generation:
     """Run the loop from a prompt [B, T, 2] for up to max_new_tokens steps.
 
@@ -138,6 +154,7 @@ def generate(
     [B] as host booleans: the mode each token was sampled in) streams audio chunks, say: it is
     called as soon as the step's sampling is enqueued, before the host waits for it, so what
     it enqueues runs right behind it; it must not wait for the device itself.
+    force_switch_at: steps at which every sequence switches modality (`force_switch`).
 
     The host waits for the device once a step, for the few flags its decisions need (stop,
     text head): everything else is queued behind the running decode step, so the next step
@@ -165,6 +182,8 @@ def generate(
         if min_speech_tokens:
             audio_logits[:, ids.eosp] = torch.where(run < min_speech_tokens, float("-inf"), audio_logits[:, ids.eosp])
         audio_tok = sample(penalize(audio_logits, seen_audio, sampling.repetition_penalty), sampling, generator)
+        if step in force_switch_at:
+            text_tok, audio_tok = force_switch(text_tok, audio_tok, audio_mode, ids)
         tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)
         out_tokens.append(tokens)
         out_modes.append(audio_mode)

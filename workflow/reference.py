@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
+from workflow.generate import Ids
 from workflow.spec import ModelSpec
 
 
@@ -114,6 +115,56 @@ class MossSpeechReference(nn.Module):
 def _is_trunk(name: str, spec: ModelSpec) -> bool:
     parts = name.split(".")
     return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) < spec.num_shared_layers
+
+
+@torch.no_grad()
+def greedy_reference(
+    model: MossSpeechReference,
+    prompt: torch.Tensor,
+    steps: int,
+    ids: Ids,
+    repetition_penalty: float,
+    force_switch_at: frozenset[int] = frozenset(),
+) -> tuple[list[tuple[int, int, bool]], list[float]]:
+    """MOSS-Speech's greedy generation for one prompt [T, 2], written from the official loop's
+    description (FACTS.md 1) and sharing nothing but the table of ids with workflow.generate,
+    whose loop it judges: per step (text id, audio id, sampled in audio mode), up to and
+    including a stop id, and per step the lead of the greedy choice over the runner-up (inf
+    where the switch was forced).
+
+    Each step reads one head: the text head in text mode (start-of-speech switches to audio),
+    the audio head over the codes and end-of-speech in audio mode (end-of-speech switches back);
+    the other channel carries its pad. Both heads take the repetition penalty (CTRL) over the
+    ids their channel has carried so far, prompt included. At a step of force_switch_at the
+    switch token replaces the greedy one."""
+    history = [(int(t), int(a)) for t, a in prompt.tolist()]
+    text_logits, audio_logits, caches = model(prompt[None])
+    last_text, last_audio = history[-1]
+    audio_mode = last_text == ids.sosp or (last_text == ids.pad and last_audio != ids.eosp)
+    out: list[tuple[int, int, bool]] = []
+    margins: list[float] = []
+    for step in range(steps):
+        channel = 1 if audio_mode else 0
+        logits = (audio_logits if audio_mode else text_logits)[0, -1]
+        if audio_mode:
+            logits = logits[: ids.eosp + 1]  # the padding rows of the audio head are never sampled
+        seen = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+        seen[[i for i in {row[channel] for row in history} if i < len(logits)]] = True
+        penalized = torch.where(logits < 0, logits * repetition_penalty, logits / repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+        best = logits.topk(2).values
+        token, margin = int(logits.argmax()), float(best[0] - best[1])  # argmax: the first of equal maxima
+        if step in force_switch_at:
+            token, margin = (ids.eosp if audio_mode else ids.sosp), float("inf")
+        row = (ids.pad, token) if audio_mode else (token, ids.audio_pad)
+        out.append((*row, audio_mode))
+        margins.append(margin)
+        history.append(row)
+        if not audio_mode and token in ids.stop:
+            break
+        audio_mode = token != ids.eosp if audio_mode else token == ids.sosp
+        text_logits, audio_logits, caches = model(torch.tensor([[row]]), caches)
+    return out, margins
 
 
 class ReferenceEngine:

@@ -68,7 +68,7 @@ def trt_config(spec: ModelSpec, fp8: bool = False) -> dict:
 
 
 # ModelSpec field -> its name in a TensorRT-LLM config (the rest are spelled alike)
-_TRT_NAMES = {"head_dim": "head_size", "rms_norm_eps": "norm_epsilon", "rope_theta": "rotary_base"}
+TRT_NAMES = {"head_dim": "head_size", "rms_norm_eps": "norm_epsilon", "rope_theta": "rotary_base"}
 
 
 def spec_from_trt_config(cfg: dict, source: str = CONFIG) -> ModelSpec:
@@ -77,7 +77,7 @@ def spec_from_trt_config(cfg: dict, source: str = CONFIG) -> ModelSpec:
         raise InputError(source, f"architecture is {cfg.get('architecture')!r}, expected {ARCHITECTURE}")
     kwargs = {}
     for f in fields(ModelSpec):
-        name = _TRT_NAMES.get(f.name, f.name)
+        name = TRT_NAMES.get(f.name, f.name)
         if name not in cfg:
             raise InputError(source, f"field '{name}' is missing")
         kwargs[f.name] = float(cfg[name]) if f.type == "float" else cfg[name]

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from workflow import artifacts, dataset, traffic
+from workflow import artifacts, dataset, traffic, trtckpt
 from workflow.download import load_hf_state, validate
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.errors import InputError, run_main
-from workflow.generate import Ids, audio_mode_after, generate
-from workflow.reference import MossSpeechReference, ReferenceEngine
+from workflow.generate import Generation, Ids, Sampling, audio_mode_after, generate
+from workflow.reference import MossSpeechReference, greedy_reference
 from workflow.spec import ModelSpec
 
 # A threshold named *_min fails below its value, *_max above it; null means not checked. Each
@@ -39,16 +40,23 @@ METRICS = {"max_abs_diff_max": "max_abs_diff", "cosine_min": "cosine_min", "top1
 TEACHER_FORCED = ("teacher_forced", "teacher_forced_decode")
 
 
-def head_metrics(ref: torch.Tensor, eng: torch.Tensor, used: torch.Tensor) -> dict:
-    """ref/eng [N, V] float logits at the same positions; used [N] marks positions read."""
+def head_metrics(ref: torch.Tensor, eng: torch.Tensor, used: torch.Tensor, tie_margin: float = 0.0) -> dict:
+    """ref/eng [N, V] float logits at the same positions; used [N] marks positions read. Top-1
+    is judged where the reference decides: its two best logits at least tie_margin apart (0:
+    every used position). A flip between near-ties is rounding, not a bug, and a model that is
+    unsure of most tokens (a real one on verify's random prompts, or plain random weights) has
+    many; KL judges those positions."""
     diff = (ref - eng).abs().amax(-1)
     cos = torch.nn.functional.cosine_similarity(ref, eng, dim=-1)
     lp, lq = ref[used].log_softmax(-1), eng[used].log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
-    top1 = (ref[used].argmax(-1) == eng[used].argmax(-1)).float()
+    best = ref[used].topk(2, dim=-1).values
+    decided = best[:, 0] - best[:, 1] >= tie_margin
+    top1 = (ref[used][decided].argmax(-1) == eng[used][decided].argmax(-1)).float()
     return {
         "positions": int(ref.shape[0]),
         "positions_used": int(used.sum()),
+        "positions_decided": int(decided.sum()),
         "max_abs_diff": float(diff.max()),
         "cosine_min": float(cos.min()),
         "cosine_mean": float(cos.mean()),
@@ -65,7 +73,9 @@ def batches(prompts: torch.Tensor, max_batch: int) -> list[torch.Tensor]:
     return [prompts[:1], *prompts[1:].split(max_batch)] if len(prompts) > 1 else [prompts]
 
 
-def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids) -> dict[str, dict]:
+def teacher_forced(
+    engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, ids: Ids, tie_margin: float = 0.0
+) -> dict[str, dict]:
     """Both heads' metrics, engine against reference, along two engine paths: "prefill" over
     every position of every prompt, and "decode" over the second half of each prompt, fed one
     decode step at a time after a prefill of the first. One reference pass serves both. The
@@ -96,8 +106,8 @@ def teacher_forced(engine: Engine, ref: MossSpeechReference, prompts: torch.Tens
         cat = {k: torch.cat(v) for k, v in parts.items()}
         asked = cat["asked"]
         out[path] = {
-            "text": head_metrics(cat["rt"][asked], cat["et"][asked], ~cat["mode"][asked]),
-            "audio": head_metrics(cat["ra"], cat["ea"], cat["mode"]),
+            "text": head_metrics(cat["rt"][asked], cat["et"][asked], ~cat["mode"][asked], tie_margin),
+            "audio": head_metrics(cat["ra"], cat["ea"], cat["mode"], tie_margin),
         }
     return out
 
@@ -121,30 +131,64 @@ def _decode_logits(
     return torch.stack(texts, 1), torch.stack(audios, 1), asked_rows
 
 
-def greedy(engine: Engine, ref: ReferenceEngine, prompts: torch.Tensor, steps: int, ids: Ids) -> dict:
-    """Greedy generation on both; per prompt: the first step where tokens differ (or None)."""
+def greedy(
+    engine: Engine,
+    ref: MossSpeechReference,
+    prompts: torch.Tensor,
+    steps: int,
+    ids: Ids,
+    force_switch_at: frozenset[int],
+    tie_margin: float = 0.0,
+) -> dict:
+    """Greedy generation: the product's loop (workflow.generate) driving the engine, in batches
+    as verify's other checks run, against the reference's own loop (greedy_reference), one
+    prompt at a time. Both switch modality at the steps of force_switch_at, whatever they
+    sample there, so every checkpoint crosses switches in both directions. Per prompt: the
+    first step where tokens, modes or the stop differ (None: none). Switches are counted on
+    the reference's run, forced and natural apart. A prompt whose first difference comes at a
+    step where the reference's two best logits lie within tie_margin diverged at a tie: it
+    counts as matched, and is reported."""
+    sampling = Sampling(greedy=True)
     first_diff: list[int | None] = []
-    switches = 0
+    at_tie = 0
+    switches = {"forced": 0, "natural": 0, "to_audio": 0, "to_text": 0}
     for chunk in batches(prompts, engine.max_batch):
-        got = generate(engine, chunk, steps, ids)
-        want = generate(ref, chunk, steps, ids)
-        n = min(got.tokens.shape[1], want.tokens.shape[1])
+        got = generate(engine, chunk, steps, ids, sampling, force_switch_at=force_switch_at)
         for b in range(chunk.shape[0]):
-            same = (got.tokens[b, :n].cpu() == want.tokens[b, :n].cpu()).all(-1)
-            lengths_differ = got.tokens.shape[1] != want.tokens.shape[1]
-            bad = torch.nonzero(~same).flatten()
-            first_diff.append(int(bad[0]) if len(bad) else (n if lengths_differ else None))
-            mode = want.audio_mode[b].int()
-            switches += int((mode[1:] != mode[:-1]).sum())
+            want, margins = greedy_reference(ref, chunk[b], steps, ids, sampling.repetition_penalty, force_switch_at)
+            diff = first_difference(got, b, want)
+            first_diff.append(diff)
+            at_tie += diff is not None and diff < len(want) and margins[diff] < tie_margin
+            for k, (text, audio, audio_mode) in enumerate(want):
+                if (audio == ids.eosp) if audio_mode else (text == ids.sosp):
+                    switches["forced" if k in force_switch_at else "natural"] += 1
+                    switches["to_text" if audio_mode else "to_audio"] += 1
     matched = sum(d is None for d in first_diff)
     return {
         "steps": steps,
         "sequences": len(first_diff),
         "matched": matched,
-        "match_fraction": matched / len(first_diff),
+        "diverged_at_tie": at_tie,
+        "match_fraction": (matched + at_tie) / len(first_diff),
         "first_divergence": first_diff,
-        "modality_switches": switches,
+        "force_switch_at": sorted(force_switch_at),
+        "modality_switches": switches["forced"] + switches["natural"],
+        "forced_switches": switches["forced"],
+        "natural_switches": switches["natural"],
+        "switches_to_audio": switches["to_audio"],
+        "switches_to_text": switches["to_text"],
     }
+
+
+def first_difference(got: Generation, b: int, want: list[tuple[int, int, bool]]) -> int | None:
+    """The first step where sequence b of the loop's run and the reference's (text, audio,
+    mode) steps differ, one stopping before the other included; None if they are the same."""
+    n = got.tokens.shape[1] if got.stopped_at[b] is None else got.stopped_at[b] + 1
+    mine = [(t, a, m) for (t, a), m in zip(got.tokens[b, :n].tolist(), got.audio_mode[b, :n].tolist(), strict=True)]
+    for k, (x, y) in enumerate(zip(mine, want, strict=False)):
+        if x != y:
+            return k
+    return None if len(mine) == len(want) else min(len(mine), len(want))
 
 
 def check_held_out(prompts: torch.Tensor, calib_dir: Path) -> dict:
@@ -161,8 +205,9 @@ def check_held_out(prompts: torch.Tensor, calib_dir: Path) -> dict:
 
 
 def failures(report: dict, thresholds: dict) -> list[str]:
-    """Every threshold missed, as '<section>.<head>.<metric> got vs limit'."""
-    out = []
+    """Every config field that differs, then every threshold missed, as
+    '<section>.<head>.<metric> got vs limit'."""
+    out = list(report["config"]["differences"])
     for key, metric in METRICS.items():
         limit = thresholds.get(key)
         for section in TEACHER_FORCED if limit is not None else ():
@@ -178,17 +223,53 @@ def failures(report: dict, thresholds: dict) -> list[str]:
     return out
 
 
-def evaluate(engine: Engine, ref: MossSpeechReference, prompts: torch.Tensor, greedy_steps: int, thresholds: dict) -> dict:
+def config_check(engine_spec: ModelSpec, hf_spec: ModelSpec, ckpt_config: dict | None = None) -> dict:
+    """Every model field the engine reads, against what the HF config.json makes of it: the
+    fields of the engine's own spec and, where given, every field of the checkpoint config.json
+    it was built from (layer lists, rope scaling, FP8 exclusions...). The logits cannot be
+    trusted to show a wrong field: on the tiny model a norm epsilon 10 times too large moves
+    them less than the thresholds, on real weights it does not."""
+    fp8 = ckpt_config is not None and trtckpt.quant_algo(ckpt_config) == "FP8"
+    want = trtckpt.trt_config(hf_spec, fp8)
+    found = {key: value for cfg in (ckpt_config or {}, trtckpt.trt_config(engine_spec, fp8)) for key, value in cfg.items()}
+    hf_names = {trt: field for field, trt in trtckpt.TRT_NAMES.items()}
+    spec_fields = {f.name for f in fields(ModelSpec)}
+
+    def origin(key: str) -> str:
+        name = hf_names.get(key, key)
+        return f"the HF config's {name}" if name in spec_fields else "derived from the HF config"
+
+    differences = [
+        f"config.{key} {found.get(key)!r} vs {want.get(key)!r} ({origin(key)})"
+        for key in sorted(want.keys() | found.keys())
+        if found.get(key) != want.get(key)
+    ]
+    return {"fields_checked": len(want.keys() | found.keys()), "differences": differences}
+
+
+def evaluate(
+    engine: Engine,
+    ref: MossSpeechReference,
+    prompts: torch.Tensor,
+    greedy_steps: int,
+    thresholds: dict,
+    force_switch_at: tuple[int, ...] = (),
+    ckpt_config: dict | None = None,
+) -> dict:
     """The core of verify, on any engine object: metrics, failures and the verdict.
 
     Takes a loaded engine rather than a directory so that faults which live only in a running
-    engine (a KV cache aliased between branches, say) can be injected and must be caught."""
+    engine (a KV cache aliased between branches, say) can be injected and must be caught.
+    ckpt_config: the config.json of the checkpoint the engine was built from, checked field by
+    field (`config_check`)."""
     ids = Ids.of(ref.spec)
-    forced = teacher_forced(engine, ref, prompts, ids)
+    tie_margin = thresholds.get("tie_margin") or 0.0
+    forced = teacher_forced(engine, ref, prompts, ids, tie_margin)
     report = {
+        "config": config_check(engine.spec, ref.spec, ckpt_config),
         "teacher_forced": forced["prefill"],
         "teacher_forced_decode": forced["decode"],
-        "greedy": greedy(engine, ReferenceEngine(ref, engine.device), prompts, greedy_steps, ids),
+        "greedy": greedy(engine, ref, prompts, greedy_steps, ids, frozenset(force_switch_at), tie_margin),
         "thresholds": thresholds,
     }
     report["failures"] = failures(report, thresholds)
@@ -201,7 +282,7 @@ def thresholds_for(p: dict, precision: str) -> dict:
     t = p.get("thresholds", {}).get(precision)
     if not isinstance(t, dict) or not any(v is not None for v in t.values()):
         raise InputError("config: verify.thresholds", f"no thresholds for precision '{precision}'")
-    unknown = sorted(set(t) - {*METRICS, "greedy_match_min", "min_switches"})
+    unknown = sorted(set(t) - {*METRICS, "greedy_match_min", "min_switches", "tie_margin"})
     if unknown:
         raise InputError("config: verify.thresholds", f"unknown threshold(s) {', '.join(unknown)} for precision '{precision}'")
     return t
@@ -266,9 +347,9 @@ def main(argv: list[str] | None = None) -> None:
             "batches": [len(chunk) for chunk in batches(prompts, engine.max_batch)],  # the engine paths checked
         },
         "held_out": check_held_out(prompts, args.calib_data) if args.calib_data and args.calib_data.exists() else None,
-        **evaluate(engine, ref, prompts, p["greedy_steps"], thresholds),
+        **evaluate(engine, ref, prompts, p["greedy_steps"], thresholds, p["force_switch_at"], trtckpt.read_config(args.ckpt)[0]),
     }
-    print(json.dumps({k: report[k] for k in (*TEACHER_FORCED, "greedy")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("config", *TEACHER_FORCED, "greedy")}, indent=2))
     write_report(report, args.out)
 
 
