@@ -15,6 +15,7 @@ from workflow.errors import InputError
 from workflow.generate import Ids, generate
 from workflow.reference import MossSpeechReference
 from workflow.spec import load_spec
+from workflow.trtckpt import read_config
 
 QUICK = {"num_prompts": 4, "greedy_steps": 16}  # enough for every seeded bug; the default run is longer
 
@@ -130,6 +131,25 @@ def test_a_checkpoint_that_never_switches_by_itself_still_crosses_switches(tiny_
     assert alone["modality_switches"] == 0
     forced = verify.greedy(engine, ref, prompts, 3, ids, frozenset({0, 1}))
     assert forced["forced_switches"] == 2 and forced["switches_to_audio"] == forced["switches_to_text"] == 1
+
+
+@pytest.mark.parametrize(
+    "field, value, line",
+    [
+        ("text_layers", [3, 5], "config.text_layers [3, 5] vs [3, 4] (derived from the HF config)"),
+        ("rotary_scaling", {"type": "linear", "factor": 2.0}, "config.rotary_scaling {'type': 'linear', 'factor': 2.0} vs None"),
+        ("sosp_token_id", 151645, "config.sosp_token_id 151645 vs 151646 (the HF config's sosp_token_id)"),
+    ],
+)
+def test_a_checkpoint_field_the_engine_never_reads_wrong_still_fails(tiny_ckpt, tiny_hf, field, value, line):
+    """The torch engine derives its layer plan from the layer counts and ignores rope scaling,
+    so its logits cannot show these: the checkpoint's config.json is compared field by field,
+    whatever the engine's own spec says (TensorRT-LLM reads them)."""
+    cfg, spec = read_config(tiny_ckpt)
+    hf = load_spec(tiny_hf)
+    assert verify.config_check(spec, hf, cfg)["differences"] == []
+    (diff,) = verify.config_check(spec, hf, {**cfg, field: value})["differences"]
+    assert diff.startswith(line)
 
 
 def test_an_engine_deferring_the_text_branch_passes_verify(tiny_engine_dir, tiny_hf):

@@ -231,7 +231,6 @@ def config_check(engine_spec: ModelSpec, hf_spec: ModelSpec, ckpt_config: dict |
     them less than the thresholds, on real weights it does not."""
     fp8 = ckpt_config is not None and trtckpt.quant_algo(ckpt_config) == "FP8"
     want = trtckpt.trt_config(hf_spec, fp8)
-    found = {key: value for cfg in (ckpt_config or {}, trtckpt.trt_config(engine_spec, fp8)) for key, value in cfg.items()}
     hf_names = {trt: field for field, trt in trtckpt.TRT_NAMES.items()}
     spec_fields = {f.name for f in fields(ModelSpec)}
 
@@ -239,12 +238,12 @@ def config_check(engine_spec: ModelSpec, hf_spec: ModelSpec, ckpt_config: dict |
         name = hf_names.get(key, key)
         return f"the HF config's {name}" if name in spec_fields else "derived from the HF config"
 
-    differences = [
-        f"config.{key} {found.get(key)!r} vs {want.get(key)!r} ({origin(key)})"
-        for key in sorted(want.keys() | found.keys())
-        if found.get(key) != want.get(key)
-    ]
-    return {"fields_checked": len(want.keys() | found.keys()), "differences": differences}
+    differences: dict[str, str] = {}  # one line a field, the checkpoint's value first
+    for found in (ckpt_config or {}, trtckpt.trt_config(engine_spec, fp8)):
+        for key in sorted(want.keys() | found.keys()):
+            if found.get(key) != want.get(key) and key not in differences:
+                differences[key] = f"config.{key} {found.get(key)!r} vs {want.get(key)!r} ({origin(key)})"
+    return {"fields_checked": len(want), "differences": list(differences.values())}
 
 
 def evaluate(
