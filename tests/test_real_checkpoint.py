@@ -35,7 +35,7 @@ def test_the_chain_passes_on_a_plain_random_hub_layout_checkpoint(user, precisio
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     results = wf.workdir / "results" / tag
     assert sorted(read_manifest(results / "hf")["files"]) == sorted(p.name for p in source.iterdir())
-    cfg, spec = read_config(results / f"calib-{precision}" / "checkpoint")
+    _, spec = read_config(results / f"calib-{precision}" / "checkpoint")
     assert (spec.hidden_size, spec.num_layers, spec.rms_norm_eps, spec.rope_theta) == (160, 8, 1e-5, 500000.0)
     report = json.loads((results / f"torch-{precision}" / "verify.json").read_text())
     assert report["passed"] and report["precision"] == precision
