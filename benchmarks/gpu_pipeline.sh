@@ -9,9 +9,9 @@
 # .whl holds the wheels listed in benchmarks/gpu-wheels.txt (how they are made is said there).
 # The machine must stay warm between calls (results/ lives on it). A stage cut at its 560 s limit
 # ("snakemake exit 124": the fp8 stage's build tunes for about 190 s) is run again as it is: the
-# rules it finished are cached, so the second call runs what is left (2026-11-23-h100-full8).
+# rules it finished are cached, so the second call runs what is left (H100 run 8 in docs/levers.md).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
-# (the device tool gives a machine back after 30 minutes held; 2026-11-23-h100-full9's bf16 stage).
+# (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).
 # Each call tars the small artifacts (verify.json, benchmark.*, plots, engine.json, amax.json,
 # rule TSVs, log tails) of all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py
 # then writes summary.json.
