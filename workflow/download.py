@@ -1,8 +1,8 @@
 """download: put a MOSS-Speech checkpoint under results/<tag>/hf/, checked, with a manifest.
 
 Sources: a synthetic preset (generated here), a local directory (hard-linked), or the hub at
-a pinned revision (huggingface_hub.snapshot_download, only the files needed; it resumes an
-interrupted download from its cache). Whatever the source, the checkpoint is validated
+a pinned revision (huggingface_hub.snapshot_download into its cache, only the files needed,
+each checked against the hub's own hash). Whatever the source, the checkpoint is validated
 structurally: config fields, index, every expected tensor with its shape and dtype, no
 unexpected tensor, no NaN or Inf.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterator
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HUB_PATTERNS = ["config.json", "generation_config.json", INDEX, "*.safetensors"]
+HUB_IGNORE = ["*/*"]  # top-level files only: fnmatch's * crosses '/', so *.safetensors alone takes subfolders'
+HUB_FILTER = {"allow_patterns": HUB_PATTERNS, "ignore_patterns": HUB_IGNORE}
 
 
 def shard_map(hf_dir: Path) -> dict[str, str]:
@@ -106,6 +109,65 @@ def load_hf_state(hf_dir: str | Path, device: str = "cpu") -> dict[str, torch.Te
     return state
 
 
+def fetch_hub(source: Source, cache_dir: Path) -> Path:
+    """Download the allowed files at the pinned revision, each checked against the hub's hash;
+    return the cache's snapshot directory, which is named by the commit the revision resolves to.
+
+    The revision is resolved by asking the hub first, so an unknown revision or an unreachable
+    hub is an error, never a fallback to whatever the cache holds under that name.
+    """
+    import httpx
+    from huggingface_hub import HfApi, constants, snapshot_download  # reads HF_TOKEN itself; never logged
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo, name = source.value, f"hf:{source.value}@{source.revision}"
+    try:
+        info = HfApi().model_info(repo, revision=source.revision, files_metadata=True)
+        siblings = filter_repo_objects(info.siblings, key=attrgetter("rfilename"), **HUB_FILTER)
+        snapshot = Path(snapshot_download(repo, revision=info.sha, cache_dir=cache_dir, **HUB_FILTER))
+    except GatedRepoError:
+        raise InputError(name, f"{repo} is gated: HF_TOKEN must be of an account granted access to it") from None
+    except RepositoryNotFoundError:
+        raise InputError(name, f"no repository {repo} at {constants.ENDPOINT} (or HF_TOKEN may not read it)") from None
+    except RevisionNotFoundError:
+        raise InputError(name, f"no revision '{source.revision}' in {repo}") from None
+    except (OSError, httpx.HTTPError) as e:  # unreachable, a download cut for good, a size mismatch
+        raise InputError(name, f"download failed ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
+    for sibling in sorted(siblings, key=attrgetter("rfilename")):
+        path = snapshot / sibling.rfilename
+        check_hub_hash(path, sibling, f"{name}/{sibling.rfilename}")
+        clear_partials(path.resolve())
+    return snapshot
+
+
+def check_hub_hash(path: Path, sibling, name: str) -> None:
+    """huggingface_hub checks sizes, not content: compare with the hub's sha256 (LFS) or git blob
+    id. A mismatch is removed from the cache, where the next run would otherwise take it as done."""
+    if not path.is_file():
+        raise InputError(name, "the hub lists it but the download lacks it")
+    if sibling.lfs is not None:
+        kind, want, got = "sha256", sibling.lfs.sha256, artifacts.sha256_file(path, progress=True)
+    elif sibling.blob_id is not None:
+        from huggingface_hub.utils.sha import git_hash
+
+        kind, want, got = "git blob id", sibling.blob_id, git_hash(path.read_bytes())
+    else:
+        raise InputError(name, "the hub gives no hash for it: the download cannot be checked")
+    if got != want:
+        blob = path.resolve()
+        path.unlink()
+        blob.unlink(missing_ok=True)
+        raise InputError(name, f"{kind} {got[:12]} is not the hub's {want[:12]}: a corrupt download, removed from the cache")
+
+
+def clear_partials(blob: Path) -> None:
+    """A download killed mid-file leaves `<blob>.<random>.incomplete`, which huggingface_hub never
+    resumes nor removes; once the blob is whole, no live download can be writing one."""
+    for partial in blob.parent.glob(f"{blob.name}.*.incomplete"):
+        partial.unlink(missing_ok=True)
+
+
 def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) -> Path:
     """Bring the source's files within reach; return the directory that holds them.
 
@@ -119,9 +181,7 @@ def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) ->
         synthetic.write_hf_checkpoint(out, spec, state, shards, torch.bfloat16)
         return out
     if source.kind == "hf":
-        from huggingface_hub import snapshot_download  # reads HF_TOKEN itself; never logged
-
-        return Path(snapshot_download(source.value, revision=source.revision, allow_patterns=HUB_PATTERNS, cache_dir=cache_dir))
+        return fetch_hub(source, cache_dir)
     src = Path(source.value)
     if not src.is_dir():
         raise InputError(src, "local model directory does not exist")
@@ -150,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         spec = validate(src, check_finite=not args.no_finite_check)
         if src != tmp:
             link_files(src, tmp)
-        artifacts.write_manifest(tmp)
+        source_of = {"source": {"hub": args.source, "commit": src.name}} if source.kind == "hf" else {}
+        artifacts.write_manifest(tmp, source_of)
     print(f"{args.source}: {spec.num_layers} decoder layers, hidden {spec.hidden_size}; checkpoint in {args.out}")
 
 
