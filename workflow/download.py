@@ -1,10 +1,10 @@
 """download: put a MOSS-Speech checkpoint under results/<tag>/hf/, checked, with a manifest.
 
 Sources: a synthetic preset (generated here), a local directory (hard-linked), or the hub at
-a pinned revision (huggingface_hub.snapshot_download into its cache, only the files needed,
-each checked against the hub's own hash). Whatever the source, the checkpoint is validated
-structurally: config fields, index, every expected tensor with its shape and dtype, no
-unexpected tensor, no NaN or Inf.
+a pinned revision (workflow/hub.py: only the files needed, downloaded resumably into our cache,
+each checked against the hub's own hash, then hard-linked). Whatever the source, the checkpoint
+is validated structurally: config fields, index, every expected tensor with its shape and
+dtype, no unexpected tensor, no NaN or Inf.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterator
-from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -30,7 +29,6 @@ SINGLE = "model.safetensors"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HUB_PATTERNS = ["config.json", "generation_config.json", INDEX, "*.safetensors"]
 HUB_IGNORE = ["*/*"]  # top-level files only: fnmatch's * crosses '/', so *.safetensors alone takes subfolders'
-HUB_FILTER = {"allow_patterns": HUB_PATTERNS, "ignore_patterns": HUB_IGNORE}
 
 
 def shard_map(hf_dir: Path) -> dict[str, str]:
@@ -109,67 +107,9 @@ def load_hf_state(hf_dir: str | Path, device: str = "cpu") -> dict[str, torch.Te
     return state
 
 
-def fetch_hub(source: Source, cache_dir: Path) -> Path:
-    """Download the allowed files at the pinned revision, each checked against the hub's hash;
-    return the cache's snapshot directory, which is named by the commit the revision resolves to.
-
-    The revision is resolved by asking the hub first, so an unknown revision or an unreachable
-    hub is an error, never a fallback to whatever the cache holds under that name.
-    """
-    import httpx
-    from huggingface_hub import HfApi, constants, snapshot_download  # reads HF_TOKEN itself; never logged
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-    from huggingface_hub.utils import filter_repo_objects
-
-    repo, name = source.value, f"hf:{source.value}@{source.revision}"
-    try:
-        info = HfApi().model_info(repo, revision=source.revision, files_metadata=True)
-        siblings = filter_repo_objects(info.siblings, key=attrgetter("rfilename"), **HUB_FILTER)
-        snapshot = Path(snapshot_download(repo, revision=info.sha, cache_dir=cache_dir, **HUB_FILTER))
-    except GatedRepoError:
-        raise InputError(name, f"{repo} is gated: HF_TOKEN must be of an account granted access to it") from None
-    except RepositoryNotFoundError:
-        raise InputError(name, f"no repository {repo} at {constants.ENDPOINT} (or HF_TOKEN may not read it)") from None
-    except RevisionNotFoundError:
-        raise InputError(name, f"no revision '{source.revision}' in {repo}") from None
-    except (OSError, httpx.HTTPError) as e:  # unreachable, a download cut for good, a size mismatch
-        raise InputError(name, f"download failed ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
-    for sibling in sorted(siblings, key=attrgetter("rfilename")):
-        path = snapshot / sibling.rfilename
-        check_hub_hash(path, sibling, f"{name}/{sibling.rfilename}")
-        clear_partials(path.resolve())
-    return snapshot
-
-
-def check_hub_hash(path: Path, sibling, name: str) -> None:
-    """huggingface_hub checks sizes, not content: compare with the hub's sha256 (LFS) or git blob
-    id. A mismatch is removed from the cache, where the next run would otherwise take it as done."""
-    if not path.is_file():
-        raise InputError(name, "the hub lists it but the download lacks it")
-    if sibling.lfs is not None:
-        kind, want, got = "sha256", sibling.lfs.sha256, artifacts.sha256_file(path, progress=True)
-    elif sibling.blob_id is not None:
-        from huggingface_hub.utils.sha import git_hash
-
-        kind, want, got = "git blob id", sibling.blob_id, git_hash(path.read_bytes())
-    else:
-        raise InputError(name, "the hub gives no hash for it: the download cannot be checked")
-    if got != want:
-        blob = path.resolve()
-        path.unlink()
-        blob.unlink(missing_ok=True)
-        raise InputError(name, f"{kind} {got[:12]} is not the hub's {want[:12]}: a corrupt download, removed from the cache")
-
-
-def clear_partials(blob: Path) -> None:
-    """A download killed mid-file leaves `<blob>.<random>.incomplete`, which huggingface_hub never
-    resumes nor removes; once the blob is whole, no live download can be writing one."""
-    for partial in blob.parent.glob(f"{blob.name}.*.incomplete"):
-        partial.unlink(missing_ok=True)
-
-
-def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) -> Path:
-    """Bring the source's files within reach; return the directory that holds them.
+def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) -> tuple[Path, dict[str, str]]:
+    """Bring the source's files within reach; return the directory that holds them, and the
+    sha256 of those already hashed (the hub's, checked on the way: not read twice).
 
     A synthetic checkpoint is written straight into `out`; a local or hub one is returned
     where it lies, so that validation errors name the user's own files.
@@ -179,13 +119,15 @@ def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) ->
         shards = 4 if source.value == "full" else 2
         state = synthetic.synthetic_state(spec, seed, device)
         synthetic.write_hf_checkpoint(out, spec, state, shards, torch.bfloat16)
-        return out
+        return out, {}
     if source.kind == "hf":
-        return fetch_hub(source, cache_dir)
+        from workflow import hub  # huggingface_hub is imported only for a hub source
+
+        return hub.fetch(source.value, source.revision, cache_dir, HUB_PATTERNS, HUB_IGNORE)
     src = Path(source.value)
     if not src.is_dir():
         raise InputError(src, "local model directory does not exist")
-    return src
+    return src, {}
 
 
 def link_files(src: Path, out: Path) -> None:
@@ -206,12 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     source = parse_source(args.source, "--source")
     with artifacts.atomic_dir(args.out) as tmp:
-        src = fetch(source, tmp, args.seed, args.device, args.cache_dir)
+        src, sha256s = fetch(source, tmp, args.seed, args.device, args.cache_dir)
         spec = validate(src, check_finite=not args.no_finite_check)
         if src != tmp:
             link_files(src, tmp)
         source_of = {"source": {"hub": args.source, "commit": src.name}} if source.kind == "hf" else {}
-        artifacts.write_manifest(tmp, source_of)
+        artifacts.write_manifest(tmp, source_of, sha256s)
     print(f"{args.source}: {spec.num_layers} decoder layers, hidden {spec.hidden_size}; checkpoint in {args.out}")
 
 
