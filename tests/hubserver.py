@@ -1,25 +1,26 @@
 """A stand-in for the Hugging Face Hub's file API on 127.0.0.1, for tests (no network needed).
 
-It answers what huggingface_hub 1.33's snapshot_download, HfApi.model_info and hf_hub_download
-ask, for repos served from local directories, one commit each (its sha, and tag or branch names
-that resolve to it):
+It answers what workflow/hub.py asks through huggingface_hub 1.33 (HfApi.model_info, then a
+GET of each file's resolve URL), and hf_hub_download's HEAD, for repos served from local
+directories, one commit each (its sha, and tag or branch names that resolve to it):
 
     GET  /api/models/<repo>/revision/<rev>[?blobs=true]   model info; siblings' blobId, size and
                                                           lfs.sha256 with blobs
-    GET  /api/models/<repo>/tree/<rev>?recursive=true     the file listing (lfs.oid is the sha256)
     HEAD /<repo>/resolve/<rev>/<file>                     X-Repo-Commit, ETag (git blob id),
                                                           X-Linked-Etag and X-Linked-Size (LFS)
     GET  /<repo>/resolve/<rev>/<file>                     the bytes; Range: bytes=N- gives 206
 
 and the hub's 404s: X-Error-Code RepoNotFound (401 without a token, as the hub answers),
-RevisionNotFound, EntryNotFound. A repo may require a token (private) or be gated. Unlike the
-hub, an LFS file's bytes are answered at its resolve URL, not by a redirect to a CDN; nothing
-is served through Xet (no X-Xet-Hash), so huggingface_hub takes its plain HTTP path.
+RevisionNotFound, EntryNotFound. A repo may require a token (private) or be gated. An LFS file's
+bytes are answered at its resolve URL, or, with `cdn` set, as the hub does: by a 302 to a
+signed URL on another origin (a second port, /cdn/<repo>/<commit>/<file>, which asks no token).
+Nothing is served through Xet (no X-Xet-Hash), so huggingface_hub takes its plain HTTP path.
 
 Every request is recorded (method, path, Range, Authorization). A file can be made to misbehave
-(Fault): the connection cut after N bytes of its body, its bytes throttled, or one byte changed
-(same size, wrong content). The server is small and bounded: a daemon thread, and it stops by
-itself after `deadline` seconds or `max_requests` requests, whichever comes first.
+(Fault): the connection cut after N bytes of its body, its bytes throttled, one byte changed
+(same size, wrong content), or a Range ignored (200 and the whole file). The server is small
+and bounded: daemon threads, and it stops by itself after `deadline` seconds or `max_requests`
+requests, whichever comes first.
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ class Request:
     @property
     def file(self) -> str | None:
         """The repo file a resolve request names."""
-        m = re.fullmatch(r"/[^/]+/[^/]+/resolve/[^/]+/(.+)", self.path)
+        m = re.fullmatch(r"/(?:[^/]+/[^/]+/resolve/[^/]+|cdn/[^/]+/[^/]+/[^/]+)/(.+)", self.path)
         return m and m.group(1)
+
+    @property
+    def cdn(self) -> bool:
+        return self.path.startswith("/cdn/")
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Fault:
     times: int = 1  # ... in this many GETs, then serve it whole
     rate: float | None = None  # bytes a second
     corrupt: bool = False  # one byte changed: same size, wrong content
+    ignore_range: bool = False  # a ranged GET answered 200 with the whole file, as some CDNs do
 
 
 @dataclass
@@ -103,20 +109,29 @@ class HubServer:
         self.faults: dict[str, Fault] = {}  # repo file name -> how it misbehaves
         self.requests: list[Request] = []
         self.max_requests = max_requests
+        self.cdn = False  # LFS files redirected to the CDN's origin
         self.stopped = threading.Event()
         self._lock = threading.Lock()
         self._stop_lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._httpd.daemon_threads = True
-        self._httpd.block_on_close = False  # a throttled response must not hold up stop()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._cdn = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))  # another port: another origin
+        for httpd in (self._httpd, self._cdn):
+            httpd.daemon_threads = True
+            httpd.block_on_close = False  # a throttled response must not hold up stop()
+        self._threads = [
+            threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+            for httpd in (self._httpd, self._cdn)
+        ]
         self._timer = threading.Timer(deadline, self.stop)
         self._timer.daemon = True
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return _url(self._httpd)
+
+    @property
+    def cdn_url(self) -> str:
+        return _url(self._cdn)
 
     def add_repo(self, repo_id: str, directory: Path, refs=("main",), token: str | None = None, gated: bool = False) -> str:
         """Serve every file under `directory` as `repo_id` at one commit; return its sha."""
@@ -126,7 +141,8 @@ class HubServer:
         return commit
 
     def start(self) -> HubServer:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         self._timer.start()
         return self
 
@@ -136,8 +152,9 @@ class HubServer:
         with self._stop_lock:
             if not self.stopped.is_set():
                 self._timer.cancel()
-                self._httpd.shutdown()
-                self._httpd.server_close()
+                for httpd in (self._httpd, self._cdn):
+                    httpd.shutdown()
+                    httpd.server_close()
                 self.stopped.set()
 
     def __enter__(self) -> HubServer:
@@ -173,6 +190,11 @@ class HubServer:
             return fault if fault.times >= 0 else replace(fault, cut_after=None)
 
 
+def _url(httpd: ThreadingHTTPServer) -> str:
+    host, port = httpd.server_address[:2]
+    return f"http://{host}:{port}"
+
+
 class _Error(Exception):
     def __init__(self, status: int, code: str | None, message: str, commit: str | None = None):
         self.status, self.code, self.message, self.commit = status, code, message, commit
@@ -201,16 +223,17 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                     repo = self._repo(m.group(1))
                     blobs = parse_qs(url.query).get("blobs", ["false"])[0].lower() == "true"
                     return self._json(_model_info(unquote(m.group(1)), repo, self._commit(repo, m.group(2)), blobs))
-                if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", url.path):
-                    repo = self._repo(m.group(1))
-                    self._commit(repo, m.group(2))
-                    return self._json(_tree(repo))
+                if m := re.fullmatch(r"/cdn/([^/]+/[^/]+)/[^/]+/(.+)", url.path):  # a signed URL: no token asked
+                    return self._file(hub.repos[unquote(m.group(1))], unquote(m.group(2)), body)
                 if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", url.path):
                     repo = self._repo(m.group(1))
                     commit = self._commit(repo, m.group(2))
                     file = unquote(m.group(3))
                     if file not in repo.files:
                         raise _Error(404, "EntryNotFound", f'{file} does not exist on "{m.group(2)}"', commit)
+                    if hub.cdn and repo.files[file].sha256:
+                        cdn = f"{hub.cdn_url}/cdn/{unquote(m.group(1))}/{commit}/{m.group(3)}"
+                        return self._send(302, {"Location": cdn, "X-Repo-Commit": commit}, b"", body)
                     return self._file(repo, file, body)
                 raise _Error(404, None, "Not Found")
             except _Error as e:
@@ -257,10 +280,11 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
 
         def _file(self, repo: Repo, file: str, body: bool) -> None:
             entry, start, status = repo.files[file], 0, 200
+            fault = (hub._fault(file) if body else None) or Fault()
             headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{entry.blob_id}"', "Content-Type": "application/octet-stream"}
             if entry.sha256:
                 headers |= {"X-Linked-Etag": f'"{entry.sha256}"', "X-Linked-Size": str(entry.size)}
-            if body and (r := self.headers.get("Range")):
+            if body and (r := self.headers.get("Range")) and not fault.ignore_range:
                 m = re.fullmatch(r"bytes=(\d+)-", r)
                 if not m or int(m.group(1)) >= entry.size:
                     raise _Error(416, None, f"unsatisfiable range {r}")
@@ -268,7 +292,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 headers["Content-Range"] = f"bytes {start}-{entry.size - 1}/{entry.size}"
             self._head(status, {**headers, "Accept-Ranges": "bytes", "Content-Length": str(entry.size - start)})
             if body:
-                self._stream(entry, start, hub._fault(file) or Fault())
+                self._stream(entry, start, fault)
 
         def _stream(self, entry: Entry, start: int, fault: Fault) -> None:
             with open(entry.path, "rb") as f:
@@ -309,15 +333,3 @@ def _model_info(repo_id: str, repo: Repo, commit: str, blobs: bool) -> dict:
         "tags": [],
         "siblings": siblings,
     }
-
-
-def _tree(repo: Repo) -> list[dict]:
-    """Folders, then files, as the hub lists them recursively."""
-    folders = sorted({str(p) for name in repo.files for p in Path(name).parents if str(p) != "."})
-    out = [{"type": "directory", "oid": hashlib.sha1(f.encode()).hexdigest(), "size": 0, "path": f} for f in folders]
-    for name, e in repo.files.items():
-        item: dict = {"type": "file", "oid": e.blob_id, "size": e.size, "path": name}
-        if e.sha256:
-            item["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": e.pointer}
-        out.append(item)
-    return out

@@ -103,9 +103,8 @@ def test_killed_convert_leaves_old_or_nothing_and_rerun_matches(point, ready, ol
 )
 def test_killed_download_reruns_to_the_same_checkpoint(source, ready, tiny_hf, tmp_path):
     """A local source is linked again from the start (hard links: nothing to resume). The hub
-    source killed mid-shard is test_hub.py's: huggingface_hub 1.33 resumes a cut connection in
-    the same process, but a killed run's partial shard is never resumed; the rerun fetches it
-    whole, and gives the same manifest."""
+    source killed mid-shard is test_hub.py's: the rerun resumes the partial shard where the
+    killed run left it, and gives the same manifest."""
     source = f"local:{tiny_hf}" if source == "local" else source
     out = tmp_path / "hf"
     kill_when("workflow.download", ["--source", source, "--out", str(out)], out, ready)
