@@ -102,8 +102,9 @@ def test_killed_convert_leaves_old_or_nothing_and_rerun_matches(point, ready, ol
     ids=["synthetic_mid_write_of_a_shard", "local_source_mid_linking"],
 )
 def test_killed_download_reruns_to_the_same_checkpoint(source, ready, tiny_hf, tmp_path):
-    """A local source is linked again from the start (hard links: nothing to resume); the hub
-    path resumes from huggingface_hub's cache, which is not tested here (no network)."""
+    """A local source is linked again from the start (hard links: nothing to resume). The hub
+    source killed mid-shard is test_hub.py's: the rerun resumes the partial shard where the
+    killed run left it, and gives the same manifest."""
     source = f"local:{tiny_hf}" if source == "local" else source
     out = tmp_path / "hf"
     kill_when("workflow.download", ["--source", source, "--out", str(out)], out, ready)

@@ -147,15 +147,18 @@ def sha256_file(path: str | Path, progress: bool = False) -> str:
     return h.hexdigest()
 
 
-def write_manifest(root: Path) -> dict:
-    """Write <root>/manifest.json: every file's size and sha256, and one digest over them all."""
-    files = {
-        str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": sha256_file(p, True)}
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+def write_manifest(root: Path, extra: dict | None = None, sha256s: dict[str, str] | None = None) -> dict:
+    """Write <root>/manifest.json: every file's size and sha256, and one digest over them all
+    (then `extra`'s keys, which the digest does not cover: where the files came from).
+    `sha256s`: those already computed, by relative path (not read a second time)."""
+    known = sha256s or {}
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            name = str(p.relative_to(root))
+            files[name] = {"bytes": p.stat().st_size, "sha256": known.get(name) or sha256_file(p, True)}
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-    manifest = {"files": files, "sha256": digest}
+    manifest = {"files": files, "sha256": digest, **(extra or {})}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

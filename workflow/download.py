@@ -1,10 +1,10 @@
 """download: put a MOSS-Speech checkpoint under results/<tag>/hf/, checked, with a manifest.
 
 Sources: a synthetic preset (generated here), a local directory (hard-linked), or the hub at
-a pinned revision (huggingface_hub.snapshot_download, only the files needed; it resumes an
-interrupted download from its cache). Whatever the source, the checkpoint is validated
-structurally: config fields, index, every expected tensor with its shape and dtype, no
-unexpected tensor, no NaN or Inf.
+a pinned revision (workflow/hub.py: only the files needed, downloaded resumably into our cache,
+each checked against the hub's own hash, then hard-linked). Whatever the source, the checkpoint
+is validated structurally: config fields, index, every expected tensor with its shape and
+dtype, no unexpected tensor, no NaN or Inf.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HUB_PATTERNS = ["config.json", "generation_config.json", INDEX, "*.safetensors"]
+HUB_IGNORE = ["*/*"]  # top-level files only: fnmatch's * crosses '/', so *.safetensors alone takes subfolders'
 
 
 def shard_map(hf_dir: Path) -> dict[str, str]:
@@ -106,8 +107,9 @@ def load_hf_state(hf_dir: str | Path, device: str = "cpu") -> dict[str, torch.Te
     return state
 
 
-def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) -> Path:
-    """Bring the source's files within reach; return the directory that holds them.
+def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) -> tuple[Path, dict[str, str]]:
+    """Bring the source's files within reach; return the directory that holds them, and the
+    sha256 of those already hashed (the hub's, checked on the way: not read twice).
 
     A synthetic checkpoint is written straight into `out`; a local or hub one is returned
     where it lies, so that validation errors name the user's own files.
@@ -117,15 +119,15 @@ def fetch(source: Source, out: Path, seed: int, device: str, cache_dir: Path) ->
         shards = 4 if source.value == "full" else 2
         state = synthetic.synthetic_state(spec, seed, device)
         synthetic.write_hf_checkpoint(out, spec, state, shards, torch.bfloat16)
-        return out
+        return out, {}
     if source.kind == "hf":
-        from huggingface_hub import snapshot_download  # reads HF_TOKEN itself; never logged
+        from workflow import hub  # huggingface_hub is imported only for a hub source
 
-        return Path(snapshot_download(source.value, revision=source.revision, allow_patterns=HUB_PATTERNS, cache_dir=cache_dir))
+        return hub.fetch(source.value, source.revision, cache_dir, HUB_PATTERNS, HUB_IGNORE)
     src = Path(source.value)
     if not src.is_dir():
         raise InputError(src, "local model directory does not exist")
-    return src
+    return src, {}
 
 
 def link_files(src: Path, out: Path) -> None:
@@ -146,11 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     source = parse_source(args.source, "--source")
     with artifacts.atomic_dir(args.out) as tmp:
-        src = fetch(source, tmp, args.seed, args.device, args.cache_dir)
+        src, sha256s = fetch(source, tmp, args.seed, args.device, args.cache_dir)
         spec = validate(src, check_finite=not args.no_finite_check)
         if src != tmp:
             link_files(src, tmp)
-        artifacts.write_manifest(tmp)
+        source_of = {"source": {"hub": args.source, "commit": src.name}} if source.kind == "hf" else {}
+        artifacts.write_manifest(tmp, source_of, sha256s)
     print(f"{args.source}: {spec.num_layers} decoder layers, hidden {spec.hidden_size}; checkpoint in {args.out}")
 
 
