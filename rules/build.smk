@@ -14,9 +14,6 @@ rule build:
     resources:
         **res("build"),
     params:
-        e=config["engine"],
-        flags=build_flags(config["engine"]),
+        options=as_json(ENGINE.to_dict()),
     shell:
-        "python -m workflow.build --ckpt {input.calib}/checkpoint --backend {params.e[backend]} --precision {params.e[precision]}"
-        " --device {params.e[device]} --dtype {params.e[dtype]} --max-batch {params.e[max_batch]} --max-seq-len {params.e[max_seq_len]} {params.flags}"
-        " --out {output} > {log} 2> >(tee -a {log} >&2)"
+        "python -m workflow.build --ckpt {input.calib}/checkpoint --options-json {params.options:q} --out {output} > {log} 2> >(tee -a {log} >&2)"

@@ -15,7 +15,7 @@ from snakemake.utils import validate
 ROOT = Path(workflow.basedir).resolve()
 sys.path.insert(0, str(ROOT))
 
-from workflow.engines import check_engine_config  # noqa: E402  (pure Python, no torch)
+from workflow.engines.options import EngineOptions  # noqa: E402  (pure Python, no torch)
 from workflow.errors import InputError  # noqa: E402
 from workflow.sources import parse_source  # noqa: E402
 
@@ -51,15 +51,11 @@ except WorkflowError as e:
 
 try:
     SOURCE = parse_source(config["model"]["source"])
-    check_engine_config(
-        config["engine"]["backend"],
-        config["engine"]["precision"],
-        config["engine"]["device"],
-    )
+    ENGINE = EngineOptions.from_dict(config["engine"])
 except InputError as e:
     raise WorkflowError(str(e)) from None
 
-BACKEND, PRECISION = config["engine"]["backend"], config["engine"]["precision"]
+BACKEND, PRECISION = ENGINE.backend, ENGINE.precision
 RESULTS = f"results/{SOURCE.tag}"
 VARIANT = f"{RESULTS}/{BACKEND}-{PRECISION}"
 
@@ -178,22 +174,6 @@ def res(rule):
     if r["gpu"] == 0:
         r.pop("gpu_model", None)
     return r
-
-
-# engine options passed to build as a flag each when on (cuda_graphs: a flag when off)
-BUILD_FLAGS = {
-    "compile": "--compile",
-    "gemv": "--gemv",
-    "decode_attention": "--decode-attention",
-    "fp8_fast_accum": "--fp8-fast-accum",
-    "defer_text_fill": "--defer-text-fill",
-}
-
-
-def build_flags(engine):
-    """build's switches for the engine options of config."""
-    on = [flag for option, flag in BUILD_FLAGS.items() if engine[option]]
-    return " ".join(on + ([] if engine["cuda_graphs"] else ["--no-cuda-graphs"]))
 
 
 def as_json(obj):

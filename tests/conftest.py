@@ -35,7 +35,8 @@ def tiny_ckpt(tiny_hf) -> Path:
 
 
 def build_engine(ckpt: Path, out: Path, precision: str = "bf16", max_batch: int = 4) -> Path:
-    build.main(["--ckpt", str(ckpt), "--out", str(out), "--precision", precision, "--max-batch", str(max_batch)])
+    options = json.dumps({"precision": precision, "max_batch": max_batch})
+    build.main(["--ckpt", str(ckpt), "--out", str(out), "--options-json", options])
     return out
 
 

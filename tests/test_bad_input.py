@@ -25,8 +25,8 @@ from conftest import CALIB, ROOT, verify_params, write_variant
 from safetensors.torch import load_file, save_file
 
 from workflow.artifacts import MANIFEST, read_manifest
-from workflow.download import INDEX
 from workflow.errors import run_main
+from workflow.hfckpt import INDEX
 
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 LAYER = "model.text_block.layers.0."  # its tensors are in SHARD2
@@ -178,9 +178,9 @@ def calibration_set(rows: dict | None, problem: str) -> Callable[..., Bad]:
     return case
 
 
-def build(args: list[str], file: str, problem: str, spoil: Callable[[Path], dict] | None = None) -> Callable[..., Bad]:
-    """build from the tiny checkpoint, or from a copy spoilt by `spoil`, which returns the
-    values that `problem` names; `file` may name {ckpt}."""
+def build(options: dict, file: str, problem: str, spoil: Callable[[Path], dict] | None = None) -> Callable[..., Bad]:
+    """build with these engine options from the tiny checkpoint, or from a copy spoilt by
+    `spoil`, which returns the values that `problem` names; `file` may name {ckpt}."""
 
     def case(request, tmp: Path) -> Bad:
         ckpt, values = request.getfixturevalue("tiny_ckpt"), {}
@@ -188,7 +188,7 @@ def build(args: list[str], file: str, problem: str, spoil: Callable[[Path], dict
             ckpt = linked_copy(ckpt, tmp / "ckpt", skip=())
             values = spoil(ckpt)
         out = tmp / "result"
-        argv = ["--ckpt", str(ckpt), "--out", str(out), *args]
+        argv = ["--ckpt", str(ckpt), "--out", str(out), "--options-json", json.dumps(options)]
         return Bad("build", argv, out, f"error: {file.format(ckpt=ckpt)}: {problem.format(**values)}")
 
     return case
@@ -288,31 +288,33 @@ CASES: dict[str, Callable[..., Bad]] = {
     "engine_from_another_checkpoint": engine_from_another_checkpoint,
     "reference_of_another_model": reference_of_another_model,
     "trtllm_on_cpu": build(
-        ["--backend", "trtllm", "--device", "cpu"], "config: engine", "backend trtllm runs on cuda only, not on device 'cpu'"
+        {"backend": "trtllm", "device": "cpu"}, "config: engine.backend", "backend trtllm runs on cuda only, not on device 'cpu'"
     ),
     "triton_kernel_on_cpu": build(
-        ["--gemv"], "config: engine.gemv", "a Triton kernel of the torch backend on cuda, not torch on cpu"
+        {"gemv": True}, "config: engine.gemv", "a Triton kernel of the torch backend on cuda, not torch on cpu"
     ),
     "fast_accumulation_off_the_torch_backend": build(
-        ["--backend", "trtllm", "--device", "cuda", "--fp8-fast-accum"],
+        {"backend": "trtllm", "device": "cuda", "fp8_fast_accum": True},
         "config: engine.fp8_fast_accum",
         "an option of the torch backend, not trtllm",
     ),
     "defer_text_fill_off_the_torch_backend": build(
-        ["--backend", "trtllm", "--device", "cuda", "--defer-text-fill"],
+        {"backend": "trtllm", "device": "cuda", "defer_text_fill": True},
         "config: engine.defer_text_fill",
         "an option of the torch backend, not trtllm",
     ),
-    "unknown_backend": build(["--backend", "onnx"], "config: engine", "unknown backend 'onnx' (known: torch, trtllm)"),
-    "unknown_precision": build(["--precision", "int4"], "config: engine", "unknown precision 'int4' (known: bf16, fp8)"),
+    "unknown_backend": build({"backend": "onnx"}, "config: engine.backend", "unknown backend 'onnx' (known: torch, trtllm)"),
+    "unknown_precision": build({"precision": "int4"}, "config: engine.precision", "unknown precision 'int4' (known: bf16, fp8)"),
+    "unknown_engine_option": build({"gemv_blocks": {}}, "config: engine", "unknown engine option(s) gemv_blocks"),
+    "engine_option_of_the_wrong_type": build({"max_batch": "4"}, "config: engine.max_batch", "'4' is not an integer"),
     "precision_does_not_fit_checkpoint": build(
-        ["--precision", "fp8"], "{ckpt}/config.json", "quant_algo None does not fit precision fp8"
+        {"precision": "fp8"}, "{ckpt}/config.json", "quant_algo None does not fit precision fp8"
     ),
     "checkpoint_without_manifest": build(
-        [], "{ckpt}/manifest.json", "file is missing: not a complete artifact", spoil=remove_manifest
+        {}, "{ckpt}/manifest.json", "file is missing: not a complete artifact", spoil=remove_manifest
     ),
     "truncated_checkpoint_weights": build(
-        [],
+        {},
         "{ckpt}/rank0.safetensors",
         "truncated: the file has {size} bytes, its header declares {declared}",
         spoil=truncate_weights,
@@ -333,8 +335,10 @@ CLI = {
 
 
 def run_stage(bad: Bad, cli: bool, capsys) -> tuple[int, str]:
-    if cli:
-        r = subprocess.run([sys.executable, "-m", f"workflow.{bad.stage}", *bad.argv], cwd=ROOT, capture_output=True, text=True)
+    if cli:  # not under Triton's interpreter, which lets the kernels run on a CPU
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        argv = [sys.executable, "-m", f"workflow.{bad.stage}", *bad.argv]
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
         return r.returncode, r.stderr
     capsys.readouterr()  # drop what building the bad input printed
     with pytest.raises(SystemExit) as e:

@@ -7,14 +7,24 @@ import torch
 import torch.nn.functional as F
 
 from workflow import fp8, trtckpt
-from workflow.engines import gemv
+from workflow.engines import blocks, gemv
+from workflow.engines.blocks import Block, Body, Fuse
+from workflow.engines.options import EngineOptions
 from workflow.engines.torch_engine import TorchEngine, rms_norm
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="needs triton")
 
 
+def tile(block_n: int, block_k: int, warps: int = 4) -> blocks.Block:
+    return Block(Body.TILE, block_n, block_k, warps)
+
+
+def defer(block_n: int, block_k: int, warps: int = 4) -> blocks.Block:
+    return Block(Body.DEFER, block_n, block_k, warps)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4])
-@pytest.mark.parametrize("block", [(16, 64, 4), (8, 32, 4)])
+@pytest.mark.parametrize("block", [tile(16, 64), tile(8, 32)])
 def test_norm_matmul_residual_in_float32_equals_torch(rows, block):
     """K and N not multiples of the blocks: the masked edges count too."""
     k, n = 200, 37
@@ -33,7 +43,7 @@ def test_silu_mul_prologue_reads_gate_and_up_halves(rows):
     """proj's input is silu(gate) * up of gate_up's output [gate | up]: the kernel reads both halves."""
     k, n = 160, 24
     gu, w, r = torch.randn(rows, 2 * k), torch.randn(n, k) / 16, torch.randn(rows, n)
-    got = gemv.launch(gu, w, torch.float32, residual=r, silu_mul=True, block=(8, 64, 4))
+    got = gemv.launch(gu, w, torch.float32, residual=r, silu_mul=True, block=tile(8, 64))
     gate, up = gu.chunk(2, dim=-1)
     assert torch.allclose(got, r + F.linear(F.silu(gate) * up, w), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="columns"):
@@ -49,39 +59,41 @@ def test_deferred_body_equals_torch(block_k):
     with a ragged end. Four rows asking for it fall back to the per-tile body."""
     k, n = 200, 37
     x, w, g, r = torch.randn(1, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(1, n)
-    got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=(8, block_k, 4, 1))
+    got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=defer(8, block_k))
     assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
     gu = torch.randn(1, 2 * k)
-    got = gemv.launch(gu, w, torch.float32, silu_mul=True, block=(4, block_k, 4, 1))
+    got = gemv.launch(gu, w, torch.float32, silu_mul=True, block=defer(4, block_k))
     assert torch.allclose(got, F.linear(F.silu(gu[:, :k]) * gu[:, k:], w), atol=1e-5, rtol=1e-5)
     x4 = torch.randn(4, k)
-    assert torch.allclose(gemv.launch(x4, w, torch.float32, block=(8, block_k, 4, 1)), F.linear(x4, w), atol=1e-5)
+    assert torch.allclose(gemv.launch(x4, w, torch.float32, block=defer(8, block_k)), F.linear(x4, w), atol=1e-5)
 
 
 def test_tuning_offers_fp8_both_bodies_within_the_register_budget():
-    found = gemv.candidates(4096, 1)
-    assert {c[3] for c in found} == {0, 1}
-    assert all(bn * bk <= gemv.DEFER_REGS * 32 * w for bn, bk, w, defer, _, _ in found if defer)
-    assert {c[3] for c in gemv.candidates(4096, 2)} == {0}  # bf16: per tile only (probe 11)
-    assert all(bk <= 128 for _, bk, *_ in gemv.candidates(100, 2))  # no tile wider than K's power of two
-    resident = [c for c in found if c[4]]  # x's whole row in registers: K up to RESIDENT_MAX_K
-    assert resident and all(bk == 4096 and not defer for _, bk, _, defer, _, _ in resident)
-    assert not any(c[4] for c in gemv.candidates(12288, 2))
+    found = blocks.candidates(4096, 1)
+    assert {b.body for b in found} == {Body.TILE, Body.DEFER, Body.RESIDENT, Body.DOT}
+    assert all(b.block_n * b.block_k <= blocks.DEFER_REGS * 32 * b.warps for b in found if b.body == Body.DEFER)
+    assert {b.body for b in blocks.candidates(4096, 2)} == {Body.TILE, Body.RESIDENT}  # bf16: no deferred body (probe 11)
+    assert all(b.block_k <= 128 for b in blocks.candidates(100, 2))  # no tile wider than K's power of two
+    resident = [b for b in found if b.body == Body.RESIDENT]  # x's whole row in registers: K up to RESIDENT_MAX_K
+    assert resident and all(b.block_k == 4096 and b.per_sm for b in resident)
+    assert not any(b.body == Body.RESIDENT for b in blocks.candidates(12288, 2))
 
 
 def test_tensor_cores_are_offered_to_fp8_weights_read_as_stored():
-    """The tensor-core body: FP8 weights whose input needs no prologue (qkv, gate_up: "", dense,
-    proj: "res"), never bf16, a norm or silu prologue, or the GLU epilogue."""
-    for fl in ("", "res"):
-        dot = [c for c in gemv.candidates(4096, 1, fl) if c[5]]
-        assert dot and all(not (defer or per_sm) for _, _, _, defer, per_sm, _ in dot)
-        assert {c[0] >= 64 for c in dot} == {True, False}  # both operand orders
-    for k, nbytes, fl in ((4096, 2, ""), (4096, 2, "res"), (4096, 1, "norm"), (12288, 1, "silu+res"), (4096, 1, "glu")):
-        assert not any(c[5] for c in gemv.candidates(k, nbytes, fl))
+    """The tensor-core body: FP8 weights whose input needs no prologue (qkv, gate_up: NONE, dense,
+    proj: RES), never bf16, a norm or silu prologue, or the GLU epilogue."""
+    for fuse in (Fuse.NONE, Fuse.RES):
+        dot = [b for b in blocks.candidates(4096, 1, fuse) if b.body == Body.DOT]
+        assert dot and all(b.stages and not b.per_sm for b in dot)
+        assert {b.block_n >= 64 for b in dot} == {True, False}  # both operand orders
+    for k, nbytes, fuse in (
+        (4096, 2, Fuse.NONE), (4096, 2, Fuse.RES), (4096, 1, Fuse.NORM), (12288, 1, Fuse.SILU | Fuse.RES), (4096, 1, Fuse.GLU)
+    ):  # fmt: skip
+        assert not any(b.body == Body.DOT for b in blocks.candidates(k, nbytes, fuse))
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("block", [(32, 64, 4, 0, 0, 2), (64, 128, 4, 0, 0, 3)])
+@pytest.mark.parametrize("block", [Block(Body.DOT, 32, 64, 4, stages=2), Block(Body.DOT, 64, 128, 4, stages=3)])
 def test_tensor_core_body_equals_torch(rows, block):
     """FP8 x and w multiplied as stored, each part of w's rows with its own scale, the residual
     added; N and K ragged against the blocks, x's rows padded to 16; a prologue is refused."""
@@ -107,7 +119,7 @@ def test_bf16_rounds_like_torch():
     x, w = torch.randn(2, k, dtype=torch.bfloat16), (torch.randn(n, k) / 16).to(torch.bfloat16)
     g, r = (torch.rand(k) + 0.5).to(torch.bfloat16), torch.randn(2, n, dtype=torch.bfloat16)
     x, w, g, r = (t.cuda() for t in (x, w, g, r))
-    got = gemv.launch(x, w, torch.bfloat16, norm=g, eps=1e-6, residual=r, block=(16, 64, 4)).double()
+    got = gemv.launch(x, w, torch.bfloat16, norm=g, eps=1e-6, residual=r, block=tile(16, 64)).double()
     product = F.linear(rms_norm(x, g, 1e-6).float(), w.float())
     want = (product.to(torch.bfloat16) + r).double()
     assert ((got - want).abs() <= ulp_bf16(product) + ulp_bf16(want) / 2).all()
@@ -120,12 +132,12 @@ def test_fp8_parts_take_their_own_scale():
     w, a, ws = torch.randn(n, k), torch.tensor([0.02]), torch.tensor([0.004, 0.01])
     w8 = torch.cat([fp8.quantize(w[: n // 2], ws[:1]), fp8.quantize(w[n // 2 :], ws[1:])])
     xq = fp8.quantize(torch.randn(1, k), a)
-    got = gemv.launch(xq, w8, torch.float32, scale=a * ws, block=(8, 64, 4))
+    got = gemv.launch(xq, w8, torch.float32, scale=a * ws, block=tile(8, 64))
     deq = torch.cat([w8[: n // 2].double() * ws[0].item(), w8[n // 2 :].double() * ws[1].item()])
     assert torch.allclose(got.double(), (xq.double() * a.item()) @ deq.t(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("block", [(4, 64, 4), (4, 64, 4, 1)])
+@pytest.mark.parametrize("block", [tile(4, 64), defer(4, 64)])
 def test_glu_epilogue_is_silu_gate_times_up(block):
     """glu (bf16 gate_up, proj's input): w = [gate; up], the output silu(x @ gate^T) * (x @ up^T),
     half as many columns; one row (either body) and several."""
@@ -135,7 +147,9 @@ def test_glu_epilogue_is_silu_gate_times_up(block):
     got = gemv.launch(x[:1], w, torch.float32, glu=True, block=block)
     assert got.shape == (1, n)
     assert torch.allclose(got, (F.silu(gate) * up)[:1], rtol=1e-5, atol=1e-6)
-    assert torch.allclose(gemv.launch(x, w, torch.float32, glu=True, block=block[:3]), F.silu(gate) * up, atol=1e-6)
+    assert torch.allclose(
+        gemv.launch(x, w, torch.float32, glu=True, block=block._replace(body=Body.TILE)), F.silu(gate) * up, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -146,7 +160,7 @@ def test_resident_body_equals_torch(rows, block_n, per_sm):
     2), with every prologue and epilogue; BLOCK_K short of K is refused."""
     k, n = 200, 37
     x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
-    block = (block_n, 256, 4, 0, per_sm)
+    block = Block(Body.RESIDENT, block_n, 256, 4, per_sm)
     got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block)
     assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
     gu = torch.randn(rows, 2 * k)
@@ -156,18 +170,31 @@ def test_resident_body_equals_torch(rows, block_n, per_sm):
     got = gemv.launch(x, torch.cat([w, w.flip(0)]), torch.float32, glu=True, block=block)
     assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="whole row"):
-        gemv.launch(x, w, torch.float32, block=(block_n, 128, 4, 0, 1))
+        gemv.launch(x, w, torch.float32, block=Block(Body.RESIDENT, block_n, 128, 4, 1))
 
 
-def test_blocks_stored_before_the_deferred_body_still_load():
-    """engine.json of older builds holds (BLOCK_N, BLOCK_K, num_warps[, defer]): one program a
-    column block."""
-    gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4)
-    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 0, 0, 0)
-    gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (8, 64, 4, 1)
-    assert gemv.config_for(64, 128, 1, "res") == (8, 64, 4, 1, 0, 0)
-    gemv.BLOCKS[gemv.key(64, 128, 1, "res")] = (2, 128, 4, 0, 4)
-    assert gemv.config_for(64, 128, 1, "res") == (2, 128, 4, 0, 4, 0)
+def test_blocks_stored_as_ints_by_earlier_builds_still_load(tmp_path):
+    """engine.json of earlier builds held `options.gemv_blocks`: (BLOCK_N, BLOCK_K, warps[, defer[,
+    per_sm[, dot stages]]]), the body coded in the 4th to 6th int; upgrade names each body."""
+    import json
+
+    from workflow.engines import read_engine_json
+
+    old = {"8x64:1:res": [8, 64, 4], "9x64:1:res": [8, 64, 4, 1], "10x128:2:norm": [2, 128, 4, 0, 4],
+           "11x64:1:": [32, 128, 4, 0, 0, 2], "12x64:2:silu+res": [8, 64, 8, 0, 0, 0]}  # fmt: skip
+    meta = {"backend": "torch", "precision": "bf16", "options": {"device": "cpu", "late_text_fill": True, "gemv_blocks": old}}
+    (tmp_path / "engine.json").write_text(json.dumps(meta))
+    got = read_engine_json(tmp_path)
+    assert got["options"].defer_text_fill and got["options"].backend == "torch"
+    tuning = blocks.read_tuning(got["tuning"]["gemv"])
+    assert {use: t.block for use, t in tuning.items()} == {
+        blocks.Use(8, 64, 1, Fuse.RES): tile(8, 64),
+        blocks.Use(9, 64, 1, Fuse.RES): defer(8, 64),
+        blocks.Use(10, 128, 2, Fuse.NORM): Block(Body.RESIDENT, 2, 128, 4, per_sm=4),
+        blocks.Use(11, 64, 1, Fuse.NONE): Block(Body.DOT, 32, 128, 4, stages=2),
+        blocks.Use(12, 64, 2, Fuse.SILU | Fuse.RES): tile(8, 64, 8),
+    }
+    assert blocks.read_tuning(blocks.tuning_json(tuning)).keys() == tuning.keys()
 
 
 def test_too_many_rows_is_refused():
@@ -175,25 +202,15 @@ def test_too_many_rows_is_refused():
         gemv.launch(torch.randn(gemv.MAX_M + 1, 8), torch.randn(4, 8), torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def _wide_head_blocks():
-    """The heads (151 k rows) in 512-row programs: the interpreter's cost is per program."""
-    saved = dict(gemv.BLOCKS)
-    for vocab in (151680, 16512):
-        gemv.BLOCKS[gemv.key(vocab, 128, 4, "norm")] = (512, 128, 4)
-    yield
-    gemv.BLOCKS.clear()
-    gemv.BLOCKS.update(saved)
-
-
 def engines(engine_dir, **fused):
-    """The same checkpoint twice: plain, and with decode through our kernels (`fused` options)."""
-    meta_opts = {"device": "cpu", "dtype": "float32", "max_batch": 4, "max_seq_len": 256}
+    """The same checkpoint twice: plain, and with decode through our kernels (`fused` options),
+    the heads (151 k rows) in 512-row programs: the interpreter's cost is per program."""
     _, spec, tensors = trtckpt.load_checkpoint(engine_dir)
-    from workflow.engines.torch_engine import EngineOptions
-
-    opts = EngineOptions(**meta_opts)
-    return TorchEngine(spec, tensors, opts), TorchEngine(spec, tensors, dataclasses.replace(opts, **fused))
+    opts = EngineOptions(device="cpu", dtype="float32", max_batch=4, max_seq_len=256)
+    plain, kernels = TorchEngine(spec, tensors, opts), TorchEngine(spec, tensors, dataclasses.replace(opts, **fused))
+    for head in (kernels.lm_head, kernels.audio_lm_head):
+        head.block = tile(512, 128)
+    return plain, kernels
 
 
 @pytest.mark.parametrize("fused", [{"gemv": True}, {"decode_attention": True}, {"gemv": True, "decode_attention": True}])
@@ -217,7 +234,7 @@ def test_fused_engine_decodes_like_the_reference(tiny_engine_dir, tiny_hf, fused
 
     from test_engine import assert_decode_matches_reference
 
-    from workflow.download import load_hf_state
+    from workflow.hfckpt import load_hf_state
     from workflow.reference import MossSpeechReference
     from workflow.spec import load_spec
 

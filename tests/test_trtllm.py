@@ -54,7 +54,8 @@ def test_modules_import_without_tensorrt_llm():
 @without_trtllm
 def test_build_fails_at_once_with_one_line_and_leaves_nothing(tiny_ckpt, tmp_path):
     out = tmp_path / "engine"
-    args = ["--ckpt", str(tiny_ckpt), "--out", str(out), "--backend", "trtllm", "--device", "cuda", "--dtype", "bfloat16"]
+    options = json.dumps({"backend": "trtllm", "device": "cuda", "dtype": "bfloat16"})
+    args = ["--ckpt", str(tiny_ckpt), "--out", str(out), "--options-json", options]
     r = subprocess.run([sys.executable, "-m", "workflow.build", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
@@ -308,8 +309,8 @@ def test_built_model_requires_exactly_the_declaration(precision, tiny_ckpt, tiny
 def _build(ckpt, out, backend, precision="bf16"):
     from workflow import build
 
-    args = ["--ckpt", str(ckpt), "--out", str(out), "--backend", backend, "--precision", precision]
-    build.main([*args, "--device", "cuda", "--dtype", "bfloat16", "--max-batch", "4", "--max-seq-len", "256"])
+    options = {"backend": backend, "precision": precision, "device": "cuda", "dtype": "bfloat16", "max_seq_len": 256}
+    build.main(["--ckpt", str(ckpt), "--out", str(out), "--options-json", json.dumps(options)])
     return load_engine(out)
 
 

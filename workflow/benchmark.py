@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, report, roofline, traffic
-from workflow.build import versions
 from workflow.detokenize import overlaps
-from workflow.download import load_hf_state
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.errors import run_main
 from workflow.generate import Ids, Sampling
+from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, ReferenceEngine
 from workflow.spec import load_spec
 from workflow.stream import SECONDS_PER_TOKEN, audio_seconds, check_stream, device_clock, run_stream
+from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
 SCHEMA = Path(__file__).with_name("benchmark.schema.json")
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     concurrency = sorted(p["concurrency"])
     engine = load_engine(args.engine, max_batch=max(concurrency))
     device, spec, ids = engine.device, engine.spec, Ids.of(engine.spec)
-    dtype = getattr(torch, meta["options"]["dtype"])
+    dtype = getattr(torch, meta["options"].dtype)
     voc = p["vocoder"]
     model, vinfo = load_bigvgan(voc["name"], voc.get("weights"), device, dtype, voc.get("fused_kernel", False))
     compiled = voc.get("compile", False) and device.type == "cuda"
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         b["streams"][name] = {str(n): streams(system, p, mel, vocode, spt, ids, n) for n in batches}
         print(f"{name}: " + ", ".join(f"{n} streams RTF p50 {r['rtf']['p50']:.3f}" for n, r in b["streams"][name].items()))
     bandwidth, peak = roofline.copy_bandwidth(device), roofline.matmul_peak(device)
-    trunk_bytes = 1 if meta["precision"] == "fp8" else dtype.itemsize
+    trunk_bytes = 1 if meta["options"].precision == "fp8" else dtype.itemsize
     b["machine"] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
         "copy_bandwidth_GBps": bandwidth / 1e9,
@@ -210,7 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     b["summary"] = summarize(b, concurrency, p["num_tokens"])
     b |= {
-        "engine": {"path": str(args.engine), **{k: meta[k] for k in ("backend", "precision")}, "options": meta["options"]},
+        "engine": {
+            "path": str(args.engine),
+            **{k: getattr(meta["options"], k) for k in ("backend", "precision")},
+            "options": meta["options"].to_dict(),
+        },
         "vocoder": vinfo.__dict__ | {"compiled": compiled},
         "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder",
         "settings": p,

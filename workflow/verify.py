@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, dataset, traffic, trtckpt
-from workflow.download import load_hf_state, validate
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.errors import InputError, run_main
 from workflow.generate import Generation, Ids, Sampling, audio_mode_after, generate
+from workflow.hfckpt import load_hf_state, validate
 from workflow.reference import MossSpeechReference, greedy_reference
 from workflow.spec import ModelSpec
 
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     p = json.loads(args.params)
     meta = check_built_from(args.engine, args.ckpt)
-    thresholds = thresholds_for(p, meta["precision"])
+    thresholds = thresholds_for(p, meta["options"].precision)
     spec = validate(args.hf, check_finite=False)
     engine = load_engine(args.engine)
     check_same_interface(engine, spec, args.hf)
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = traffic.batch(p["num_prompts"], p["prompt_len"], Ids.of(spec), p["seed"])
     report = {
         "engine": str(args.engine),
-        "backend": meta["backend"],
-        "precision": meta["precision"],
+        "backend": meta["options"].backend,
+        "precision": meta["options"].precision,
         "checkpoint_sha256": meta["checkpoint"]["sha256"],
         "reference": f"transformers.Qwen3ForCausalLM, text and audio paths, {p['reference_dtype']}",
         "device": str(engine.device),

@@ -53,3 +53,7 @@ class Engine(ABC):
         """One step for each sequence. With need_text False (every sequence in audio mode) the
         text head is skipped and None returned; the text branch still fills its cache (or, with
         defer_text_fill, catches up at the next decode with need_text)."""
+
+    def tuning_json(self) -> dict:
+        """What the engine tuned on this GPU when first opened (build stores it in engine.json)."""
+        return {}

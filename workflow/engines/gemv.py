@@ -18,20 +18,20 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
   or, `resident` (K up to RESIDENT_MAX_K), a few programs a multiprocessor that read x's whole
   row and run the prologue once, then stride over column blocks (bf16 decode -0.06 ms on an
-  H100: benchmarks/results/2026-11-22-h100-probe18); or, `dot` (FP8 weights, x as stored, no
+  H100: docs/levers.md, probe 18); or, `dot` (FP8 weights, x as stored, no
   prologue or GLU), tensor cores: e4m3 times e4m3 with no conversion, x's rows padded to 16,
   loads pipelined over `dot` stages. A CUDA-core FP8 GEMV converts every weight byte before
   its multiply, which on an H200 caps it at 4.13 TB/s where tensor cores read 4.49 (gate_up
-  28.4 -> 25.4 us; benchmarks/results/2026-11-24-h200-probe33);
+  28.4 -> 25.4 us; docs/levers.md, probe 33);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
   the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
   program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
   (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
-  the two, it brought nothing: benchmarks/results/2026-11-22-h100-probe17).
+  the two, it brought nothing: docs/levers.md, probe 17).
 
-The block sizes come from `config_for`: chosen by `tune` on the target GPU at build, per weight
-shape and prologue/epilogue, and stored in engine.json. Without a GPU the kernel runs under
-Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it against torch.
+Each call is given its `Block` (body and sizes): chosen by `tune` on the target GPU at build,
+per `Use` (weight shape and Fuse), stored in engine.json and handed by the engine to each linear.
+Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): how the tests check it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from collections.abc import Callable
 
 import torch
 
+from workflow.engines.blocks import Block, Body, Fuse, Tuned, Use, candidates, default_block, fuse_of
+
 try:
     import triton
     import triton.language as tl
@@ -48,49 +50,11 @@ except ImportError:  # the engine works without it (engine.gemv: false)
     triton = None
 
 MAX_M = 4  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
+L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
 def available() -> bool:
     return triton is not None
-
-
-BLOCKS: dict[str, tuple[int, ...]] = {}  # key() -> (BLOCK_N, BLOCK_K, num_warps, defer, per_sm, dot), from `tune`
-BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
-BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
-DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512, 1024)  # the deferred body holds BLOCK_N x BLOCK_K floats
-DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
-RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
-DOT_N, DOT_K, DOT_STAGES = (32, 64, 128), (128, 256), (2, 4)  # the tensor-core body (FP8, flags "" or "res")
-Block = tuple[int, int, int, int, int, int]
-TUNED_MS: dict[str, float] = {}  # key() -> the chosen block's time in `tune` (ms a call), for reports
-L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
-
-
-def candidates(k: int, weight_bytes: int, fl: str = "") -> list[Block]:
-    """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
-    tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
-    registers. For bf16 it brought nothing: one step's GEMV time 5.63 ms with it, 5.61 without
-    (benchmarks/results/2026-11-22-h100-probe11, run4; FP8: 3.80 -> 3.65 ms). And, for K up to
-    RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
-    and running its prologue once, then striding over column blocks. For FP8 weights read with
-    no prologue and no GLU (`fl` "" or "res"), the tensor-core body."""
-    fits = triton.next_power_of_2(k)
-    tiled = [(bn, bk, w, 0, 0, 0) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
-    deferred = [(bn, bk, w, 1, 0, 0) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
-    deferred = deferred if weight_bytes == 1 else []
-    resident = [(bn, fits, w, 0, p, 0) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
-    resident = resident if k <= RESIDENT_MAX_K else []
-    dot = [(bn, bk, 4, 0, 0, s) for bn in DOT_N for bk in DOT_K for s in DOT_STAGES if bk <= fits]
-    dot = dot if weight_bytes == 1 and fl in ("", "res") else []
-    ok = [c for c in tiled + deferred if c[1] <= fits and (not c[3] or c[0] * c[1] <= DEFER_REGS * 32 * c[2])]
-    return ok + resident + dot
-
-
-def flags(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> str:
-    """The prologue and epilogue a call runs with: they change the best block shape (a norm
-    or silu prologue re-reads x in every program, so fewer, wider programs can win)."""
-    named = (("norm", norm), ("silu", silu_mul), ("res", residual), ("glu", glu))
-    return "+".join(name for name, on in named if on)
 
 
 @functools.cache
@@ -99,45 +63,31 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
-def key(n: int, k: int, weight_bytes: int, fl: str) -> str:
-    return f"{n}x{k}:{weight_bytes}:{fl}"
-
-
-def config_for(n: int, k: int, weight_bytes: int, fl: str = "") -> Block:
-    """(BLOCK_N, BLOCK_K, num_warps, defer, per_sm, dot) for an N x K weight: the tuned one, else
-    a default. Engines built before the deferred, resident and tensor-core bodies stored three to
-    five numbers: theirs is the per-tile body (or the deferred or resident one)."""
-    found = BLOCKS.get(key(n, k, weight_bytes, fl), (8, min(512, triton.next_power_of_2(k)), 4))
-    return (*found, 0, 0, 0)[:6]
-
-
-def tune(uses: list[tuple[torch.Tensor, str]], reps: int = 20) -> dict[str, Block]:
-    """Time every candidate block shape for each (weight, flags) use, one row of x, on the
-    weight's device, and keep the fastest in BLOCKS. Like a TensorRT tactic choice: run once
-    at build on the target GPU, stored with the engine, reloaded by `BLOCKS.update`."""
-    found = {}
-    for w, fl in uses:
-        (n, k), nbytes = w.shape, w.element_size()
-        name = key(n, k, nbytes, fl)
-        if name in found:
+def tune(uses: list[tuple[torch.Tensor, Fuse]], reps: int = 20) -> dict[Use, Tuned]:
+    """Time every candidate block for each (weight, fuse) use, one row of x, on the weight's
+    device, and keep the fastest. Like a TensorRT tactic choice: run once at build on the
+    target GPU; the engine stores the result in engine.json and hands each call its block."""
+    found: dict[Use, Tuned] = {}
+    for w, fuse in uses:
+        use = Use.of(w, fuse)
+        if use in found:
             continue
         copies = l2_copies(w)
-        act, on = torch.bfloat16 if nbytes == 1 else w.dtype, fl.split("+")
-        x = torch.randn(1, 2 * k if "silu" in on else k, device=w.device).to(w.dtype)
+        k, n, act = use.k, use.n, torch.bfloat16 if use.weight_bytes == 1 else w.dtype
+        x = torch.randn(1, 2 * k if Fuse.SILU in fuse else k, device=w.device).to(w.dtype)
         args = {
-            "scale": torch.ones(1, device=w.device) if nbytes == 1 else None,
-            "norm": torch.ones(k, device=w.device, dtype=act) if "norm" in on else None,
-            "residual": torch.zeros(1, n // (1 + ("glu" in on)), device=w.device, dtype=act) if "res" in on else None,
-            "silu_mul": "silu" in on,
-            "glu": "glu" in on,
+            "scale": torch.ones(1, device=w.device) if use.weight_bytes == 1 else None,
+            "norm": torch.ones(k, device=w.device, dtype=act) if Fuse.NORM in fuse else None,
+            "residual": torch.zeros(1, n // (1 + (Fuse.GLU in fuse)), device=w.device, dtype=act) if Fuse.RES in fuse else None,
+            "silu_mul": Fuse.SILU in fuse,
+            "glu": Fuse.GLU in fuse,
         }
         times = {}
-        for block in candidates(k, nbytes, fl):
+        for block in candidates(k, use.weight_bytes, fuse):
             times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
-        found[name] = min(times, key=times.get)
-        TUNED_MS[name] = times[found[name]]
+        best = min(times, key=times.get)
+        found[use] = Tuned(best, times[best])
         del copies
-    BLOCKS.update(found)
     return found
 
 
@@ -358,17 +308,15 @@ def launch(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
-    block: list[int] | None = None,
+    block: Block | None = None,
     glu: bool = False,
 ) -> torch.Tensor:
     """[norm](x) @ w^T [* scale per part of w's rows] [+ residual], for x [..., K] with at most
     MAX_M rows. norm: the RMSNorm weight to apply to x first; silu_mul: x is [..., 2K] = [gate |
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
-    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: (BLOCK_N, BLOCK_K,
-    num_warps[, defer[, per_sm[, dot]]]), else `config_for` the use; defer: one row only; per_sm:
-    the resident body with that many programs a multiprocessor (BLOCK_K >= K); dot: the
-    tensor-core body with that many pipeline stages (x as stored, of w's dtype: no prologue, no
-    GLU)."""
+    up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: the launch shape
+    (default_block if None). DEFER takes one row only (more run TILE's reduction); RESIDENT holds
+    x's whole row (BLOCK_K >= K); DOT reads x as stored, of w's dtype (no prologue, no GLU)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -378,32 +326,68 @@ def launch(
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"gemv takes at most {MAX_M} rows, got {m}")
-    fl = flags(norm is not None, silu_mul, residual is not None, glu)
-    block_n, block_k, warps, defer, per_sm, dot = (*(block or config_for(w.shape[0], k, w.element_size(), fl)), 0, 0, 0)[:6]
-    if per_sm and block_k < k:
-        raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block_k} < K {k}")
+    block = block or default_block(k)
+    resident, dot = block.body == Body.RESIDENT, block.body == Body.DOT
+    if resident and block.block_k < k:
+        raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block.block_k} < K {k}")
     if dot and (norm is not None or silu_mul or glu or x.dtype != w.dtype):
-        raise ValueError(f"gemv: the tensor-core body reads x as stored, of w's dtype: no prologue, no GLU ({fl}, {x.dtype})")
-    blocks = triton.cdiv(n, block_n)
-    programs = min(blocks, per_sm * multiprocessors(x.device)) if per_sm else blocks
+        fuse = fuse_of(norm is not None, silu_mul, residual is not None, glu)
+        raise ValueError(f"gemv: the tensor-core body reads x as stored, of w's dtype: no prologue, no GLU ({fuse}, {x.dtype})")
+    blocks = triton.cdiv(n, block.block_n)
+    programs = min(blocks, block.per_sm * multiprocessors(x.device)) if resident else blocks
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     res = residual.reshape(m, n).contiguous() if residual is not None else x  # x: an unread stand-in
     parts = scale.numel() if scale is not None else 1
     _gemv[(programs,)](
         x, w, y, res, scale if scale is not None else x, norm if norm is not None else x,
         m, n, w.shape[0] // parts, eps, programs,
-        K=k, STRIDES=triton.cdiv(blocks, programs) if per_sm else 1,
+        K=k, STRIDES=triton.cdiv(blocks, programs) if resident else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        GLU=glu, DEFER=bool(defer) and m == 1 and not per_sm, RESIDENT=bool(per_sm), DOT=dot,
-        BLOCK_M=16 if dot else max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        GLU=glu, DEFER=block.body == Body.DEFER and m == 1, RESIDENT=resident, DOT=block.stages if dot else 0,
+        BLOCK_M=16 if dot else max(1, triton.next_power_of_2(m)), BLOCK_N=block.block_n, BLOCK_K=block.block_k,
+        num_warps=block.warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
 
-if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one kernel, a fresh output
-    gemv = torch.library.custom_op("mossbuild::gemv", launch, mutates_args=())
+def _launch_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    norm: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    silu_mul: bool,
+    glu: bool,
+    body: str,
+    sizes: list[int],
+) -> torch.Tensor:
+    """launch with the block as an op's schema can carry it: the body's name and its sizes."""
+    return launch(x, w, out_dtype, scale, norm, eps, residual, silu_mul, Block(Body(body), *sizes), glu)
 
-    @gemv.register_fake
-    def _(x, w, out_dtype, scale=None, norm=None, eps=1e-6, residual=None, silu_mul=False, block=None,
-          glu=False):  # fmt: skip
+
+if triton is not None:  # an opaque op to torch.compile and CUDA graphs: one kernel, a fresh output
+    _op = torch.library.custom_op("mossbuild::gemv", _launch_op, mutates_args=())
+
+    @_op.register_fake
+    def _(x, w, out_dtype, scale, norm, eps, residual, silu_mul, glu, body, sizes):
         return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1), dtype=out_dtype)
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out_dtype: torch.dtype,
+    block: Block | None = None,
+    scale: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    glu: bool = False,
+) -> torch.Tensor:
+    """`launch` as one opaque op (what the engine calls, compiled or not)."""
+    block = block or default_block(w.shape[1])
+    sizes = [block.block_n, block.block_k, block.warps, block.per_sm, block.stages]
+    return _op(x, w, out_dtype, scale, norm, eps, residual, silu_mul, glu, block.body.value, sizes)

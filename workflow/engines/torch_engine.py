@@ -24,8 +24,8 @@ the same function; only when the text cache is filled changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,132 +33,144 @@ from torch import nn
 
 from workflow import trtckpt
 from workflow.cudagraphs import Graphs
-from workflow.engines import attention, gemv
+from workflow.engines import attention, blocks, gemv
 from workflow.engines.base import Engine, merged_ids
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
+from workflow.engines.options import EngineOptions
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_BUCKET = 128  # decode attends to the cache in steps of this many positions
+COMPILES = 64  # layer_step's compiled versions kept (torch's default, 8, is fewer than its shapes)
 CATCH_UP_ROWS = 16  # the deferred text branch's catch-up runs at least this many rows (a graph per power of two)
+NORMS = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    device: str = "cpu"
-    dtype: str = "float32"  # compute dtype: float32 on CPU (exact checks), bfloat16 on CUDA
-    max_batch: int = 4
-    max_seq_len: int = 1024
-    cuda_graphs: bool = True  # CUDA only: replay each decode step from a captured graph
-    compile: bool = False  # fuse the elementwise work between matmuls with torch.compile
-    gemv: bool = False  # decode's matmuls (<= gemv.MAX_M rows) through the fused Triton GEMV
-    gemv_blocks: dict | None = None  # its block shapes per weight shape, tuned at build (gemv.tune)
-    decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
-    fp8_fast_accum: bool = False  # FP8 GEMMs (prefill, batched decode) accumulate without cuBLASLt's periodic fp32 promotion
-    defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
+class At(NamedTuple):
+    """Where a step's tokens sit: rope's angles and the positions, and the attention mask (None:
+    a prefill from an empty cache, causal over the new tokens; else [T, kv_len], which of the
+    first kv_len cached positions each token attends to)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor | None
+
+
+class LayerWeights(NamedTuple):
+    """A layer's tensors as `layer_step` reads them; norms: input, post-attention, q, k."""
+
+    norms: tuple[torch.Tensor, ...]
+    qkv: LinearArgs
+    dense: LinearArgs
+    gate_up: LinearArgs
+    proj: LinearArgs
+
+
+class LayerConfig(NamedTuple):
+    """How a layer computes. gemv: decode's linears through the fused GEMV; decode_attention:
+    decode's attention (norms, rope, cache write included) in one kernel; glu: with the GEMV and
+    bf16 weights, gate_up's ends in silu(gate) * up, so proj's programs read x once, not [gate |
+    up] each (FP8 keeps the quantize kernel between them: there the epilogue cost more than the
+    kernel it saves, probe 17)."""
+
+    eps: float
+    head_dim: int
+    gemv: bool = False
+    decode_attention: bool = False
+    glu: bool = False
 
 
 def layer_step(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor,
-    mask: torch.Tensor | None,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    norms: tuple[torch.Tensor, ...],
-    qkv: LinearArgs,
-    dense: LinearArgs,
-    gate_up: LinearArgs,
-    proj: LinearArgs,
-    eps: float,
-    head_dim: int,
-    fused: bool = False,
-    fused_attention: bool = False,
-    glu: bool = False,
+    x: torch.Tensor, at: At, cache: tuple[torch.Tensor, torch.Tensor], w: LayerWeights, cfg: LayerConfig
 ) -> torch.Tensor:
     """One Qwen3 decoder layer, a pure function of its tensors, so that one compiled version
-    serves every layer. mask None: prefill from an empty cache, causal over the new tokens;
-    otherwise attend to the first mask.shape[-1] cached positions where mask is True.
-    norms: input, post-attention, q, k; fused: decode's linears through the fused GEMV;
-    fused_attention: decode's attention (norms, rope, cache write included) in one kernel;
-    glu: with the fused GEMV and bf16 weights, gate_up's ends in silu(gate) * up, so proj's
-    programs read x once, not [gate | up] each (FP8 keeps the quantize kernel between them:
-    there the epilogue cost more than the kernel it saves, probe 17)."""
-    b, t, d = x.shape[0], x.shape[1], head_dim
+    serves every layer; writes the new tokens' keys and values into cache (k, v)."""
+    b, t, d = x.shape[0], x.shape[1], cfg.head_dim
+    k_cache, v_cache = cache
     kv_size = k_cache.shape[1] * d
-    qkv_out = project(x, qkv, fused, norms[0], eps)
-    if fused_attention and mask is not None and t == 1:
-        fp8_in = dense.a_scale is not None and gemv_path(x, fused)  # dense's input as its FP8 GEMV reads it
+    qkv_out = project(x, w.qkv, cfg.gemv, w.norms[0], cfg.eps)
+    if cfg.decode_attention and at.mask is not None and t == 1:
+        fp8_in = w.dense.a_scale is not None and gemv_path(x, cfg.gemv)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
-            qkv_out, norms[2], norms[3], cos, sin, k_cache, v_cache, pos, mask.shape[-1], eps,
-            quant=dense.a_scale if fp8_in else None,
+            qkv_out, w.norms[2], w.norms[3], at.cos, at.sin, k_cache, v_cache, at.pos, at.mask.shape[-1], cfg.eps,
+            quant=w.dense.a_scale if fp8_in else None,
         )  # fmt: skip
     else:
         q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
-        q = rope(rms_norm(q.view(b, t, -1, d), norms[2], eps), cos, sin).transpose(1, 2)
-        k = rope(rms_norm(k.view(b, t, -1, d), norms[3], eps), cos, sin).transpose(1, 2)
+        q = rope(rms_norm(q.view(b, t, -1, d), w.norms[2], cfg.eps), at.cos, at.sin).transpose(1, 2)
+        k = rope(rms_norm(k.view(b, t, -1, d), w.norms[3], cfg.eps), at.cos, at.sin).transpose(1, 2)
         v = v.view(b, t, -1, d).transpose(1, 2)
         k_cache, v_cache = k_cache[:b], v_cache[:b]
-        if mask is None:  # prefill: positions 0..t-1, a plain slice (compile writes it in place, no scatter)
+        if at.mask is None:  # prefill: positions 0..t-1, a plain slice (compile writes it in place, no scatter)
             k_cache[:, :, :t].copy_(k)
             v_cache[:, :, :t].copy_(v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            k_cache.index_copy_(2, pos, k)
-            v_cache.index_copy_(2, pos, v)
-            kv_len = mask.shape[-1]
+            k_cache.index_copy_(2, at.pos, k)
+            v_cache.index_copy_(2, at.pos, v)
+            kv_len = at.mask.shape[-1]
             k_seen, v_seen = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-            y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=mask, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=at.mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
-    h = project(y, dense, fused, residual=x)
-    glu = glu and gemv_path(h, fused) and gate_up.a_scale is None
-    act = project(h, gate_up, fused, norms[1], eps, glu=glu)
-    return project(act, proj, fused, residual=h, silu_mul=not glu)
+    h = project(y, w.dense, cfg.gemv, residual=x)
+    glu = cfg.glu and gemv_path(h, cfg.gemv) and w.gate_up.a_scale is None
+    act = project(h, w.gate_up, cfg.gemv, w.norms[1], cfg.eps, glu=glu)
+    return project(act, w.proj, cfg.gemv, residual=h, silu_mul=not glu)
 
 
 class Layer(nn.Module):
     """One Qwen3 decoder layer's tensors and its own KV cache; `step` computes it."""
 
-    def __init__(
-        self, spec: ModelSpec, linears: dict[str, nn.Module], norms: dict[str, torch.Tensor], step, fused=(False, False)
-    ):
+    def __init__(self, linears: dict[str, Linear], norms: tuple[torch.Tensor, ...], step: Callable, cfg: LayerConfig):
         super().__init__()
-        self.spec, self.step, self.fused = spec, step, fused  # (GEMV, decode attention, GLU epilogue)
+        self.step, self.cfg = step, cfg
         self.qkv, self.dense = linears["attention.qkv"], linears["attention.dense"]
         self.gate_up, self.proj = linears["mlp.gate_up"], linears["mlp.proj"]
-        self.norms = tuple(
-            norms[k] for k in ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
-        )
+        self.norms = norms
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def setup_cache(self, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, self.spec.num_key_value_heads, seq, self.spec.head_dim)
+    def setup_cache(self, spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, spec.num_key_value_heads, seq, spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        pos: torch.Tensor,
-        mask: torch.Tensor | None,
-        step: Callable | None = None,  # layer_step itself where the compiled one would recompile per shape
-    ) -> torch.Tensor:
-        return (step or self.step)(
-            x, cos, sin, pos, mask, self.k_cache, self.v_cache, self.norms,
-            self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args(),
-            self.spec.rms_norm_eps, self.spec.head_dim, *self.fused,
-        )  # fmt: skip
+    def weights(self) -> LayerWeights:
+        return LayerWeights(self.norms, self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args())
+
+    def gemv_uses(self) -> list[tuple[Linear, blocks.Fuse]]:
+        """Each linear's decode call as `layer_step` and `project` make it (FP8 inputs arrive
+        normed and quantized: no prologue)."""
+        uses = []
+        for lin, norm, silu, res in (
+            (self.qkv, True, False, False),
+            (self.dense, False, False, True),
+            (self.gate_up, True, False, False),
+            (self.proj, False, not self.cfg.glu, True),
+        ):
+            bf16 = lin.args().a_scale is None
+            glu = self.cfg.glu and bf16 and lin is self.gate_up
+            uses.append((lin, blocks.fuse_of(norm and bf16, silu and bf16, res, glu)))
+        return uses
+
+    def forward(self, x: torch.Tensor, at: At, step: Callable | None = None) -> torch.Tensor:
+        """step: layer_step itself where the compiled one would recompile per shape."""
+        return (step or self.step)(x, at, (self.k_cache, self.v_cache), self.weights(), self.cfg)
 
 
 class TorchEngine(Engine, nn.Module):
     """The whole dual-head model over a TensorRT-LLM checkpoint's tensors."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], options: EngineOptions):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tensors: dict[str, torch.Tensor],
+        options: EngineOptions,
+        tuning: dict[blocks.Use, blocks.Tuned] | None = None,
+    ):
+        """tuning: the GEMV's blocks from engine.json; None with `gemv` on CUDA: tuned here (build)."""
         nn.Module.__init__(self)
         self.spec, self.options = spec, options
         self.device = torch.device(options.device)
@@ -168,18 +180,17 @@ class TorchEngine(Engine, nn.Module):
         def t(name: str) -> torch.Tensor:
             return tensors[name].to(device=dev, dtype=dt)
 
-        if options.compile:  # static shapes: a recompile per (batch, length) beats slower dynamic kernels
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        step = torch.compile(layer_step, dynamic=False, fullgraph=True) if options.compile else layer_step
+        step = layer_step
+        if options.compile:  # static shapes: a recompile per (batch, length, bucket) beats slower dynamic kernels
+            step = torch._dynamo.config.patch(cache_size_limit=COMPILES)(torch.compile(step, dynamic=False, fullgraph=True))
+        cfg = LayerConfig(spec.rms_norm_eps, spec.head_dim, options.gemv, options.decode_attention, options.gemv)
         self.embedding = t("transformer.vocab_embedding.weight")
-        norm_names = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
         self.layers = nn.ModuleList(
             Layer(
-                spec,
                 layer_linears(tensors, f"transformer.layers.{n}.", dt, dev, options.fp8_fast_accum),
-                {k: t(f"transformer.layers.{n}.{k}.weight") for k in norm_names},
+                tuple(t(f"transformer.layers.{n}.{k}.weight") for k in NORMS),
                 step,
-                (options.gemv, options.decode_attention, options.gemv),
+                cfg,
             )
             for n in range(spec.num_layers)
         )
@@ -191,17 +202,20 @@ class TorchEngine(Engine, nn.Module):
         self.lm_head = Linear(t("lm_head.weight"))
         self.audio_lm_head = Linear(t("audio_lm_head.weight"))
         self.max_batch, self.max_seq_len = options.max_batch, options.max_seq_len
-        self.gemv_blocks = dict(options.gemv_blocks or {})
+        self.tuning = dict(tuning or {})
         if options.gemv and self.device.type == "cuda":
-            if not self.gemv_blocks:  # first load (build): choose each use's blocks on this GPU
-                self.gemv_blocks = gemv.tune(self.gemv_uses())
-            gemv.BLOCKS.update({k: tuple(v) for k, v in self.gemv_blocks.items()})
+            uses = self.gemv_uses()
+            if not self.tuning:  # first load (build): choose each use's block on this GPU
+                self.tuning = gemv.tune([(lin.weight, fuse) for lin, fuse in uses])
+            for lin, fuse in uses:
+                tuned = self.tuning.get(blocks.Use.of(lin.weight, fuse))
+                lin.block = tuned.block if tuned else None
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
         self.cos, self.sin = angles.cos(), angles.sin()
         self.positions = torch.arange(options.max_seq_len, device=dev)  # persistent: graphs read it
         for layer in self.layers:
-            layer.setup_cache(options.max_batch, options.max_seq_len, dt, self.device)
+            layer.setup_cache(spec, options.max_batch, options.max_seq_len, dt, self.device)
         self.batch = 0
         self.length = 0  # host-side count of cached positions (no device sync needed)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # device-side: the next position
@@ -213,23 +227,13 @@ class TorchEngine(Engine, nn.Module):
         self.held: torch.Tensor | None = None  # [max_batch, max_seq_len, hidden], made by the first step that defers
         self.catch_up_pos = torch.zeros(options.max_seq_len, dtype=torch.long, device=dev)  # the catch-up graphs' input
 
-    def gemv_uses(self) -> list[tuple[torch.Tensor, str]]:
-        """Each weight the GEMV reads in decode, with the prologue/epilogue flags it runs with
-        (see `layer_step` and `project`: FP8 inputs arrive normed and quantized)."""
-        uses = []
-        for layer in self.layers:
-            glu = layer.fused[2]
-            for lin, norm, silu, res in (
-                (layer.qkv, True, False, False),
-                (layer.dense, False, False, True),
-                (layer.gate_up, True, False, False),
-                (layer.proj, False, not glu, True),
-            ):
-                a = lin.args()
-                bf16 = a.a_scale is None
-                w = a.weight if bf16 else a.fp8_weight
-                uses.append((w, gemv.flags(norm and bf16, silu and bf16, res, glu and bf16 and lin is layer.gate_up)))
-        return uses + [(head.weight, gemv.flags(True, False, False)) for head in (self.lm_head, self.audio_lm_head)]
+    def gemv_uses(self) -> list[tuple[Linear, blocks.Fuse]]:
+        """Each linear the GEMV reads in decode, with the Fuse of its call."""
+        heads = [(head, blocks.Fuse.NORM) for head in (self.lm_head, self.audio_lm_head)]
+        return [use for layer in self.layers for use in layer.gemv_uses()] + heads
+
+    def tuning_json(self) -> dict:
+        return {"gemv": blocks.tuning_json(self.tuning)} if self.tuning else {}
 
     def forward_tokens(
         self,
@@ -243,18 +247,17 @@ class TorchEngine(Engine, nn.Module):
         """tokens [B, T, 2] (text id, audio id) at positions pos [T] -> both heads' logits.
         kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions.
         hold: no text branch, the trunk output kept in `held` at pos for `_catch_up_text`."""
-        cos, sin = self.cos[pos], self.sin[pos]
-        mask = None if kv_len is None else attention_mask(pos, kv_len)
+        at = At(self.cos[pos], self.sin[pos], pos, None if kv_len is None else attention_mask(pos, kv_len))
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
         b = x.shape[0]
         for layer in self.trunk:
-            x = layer(x, cos, sin, pos, mask)
+            x = layer(x, at)
         if hold:
             self.held[:b].index_copy_(1, pos, x)
-        text = x if hold else self._text_branch(x, cos, sin, pos, mask)
+        text = x if hold else self._text_branch(x, at)
         audio = x
         for layer in self.audio_block:
-            audio = layer(audio, cos, sin, pos, mask)
+            audio = layer(audio, at)
         if not all_logits:
             text, audio = text[:, -1], audio[:, -1]
         eps, fused = self.spec.rms_norm_eps, self.options.gemv
@@ -262,9 +265,9 @@ class TorchEngine(Engine, nn.Module):
         audio_logits = project(audio, self.audio_lm_head.args(), fused, self.audio_ln_f, eps).float()
         return text_logits, audio_logits
 
-    def _text_branch(self, x, cos, sin, pos, mask, step=None) -> torch.Tensor:
+    def _text_branch(self, x: torch.Tensor, at: At, step: Callable | None = None) -> torch.Tensor:
         for layer in self.text_block:
-            x = layer(x, cos, sin, pos, mask, step)
+            x = layer(x, at, step)
         return x
 
     def _catch_up_text(self) -> None:
@@ -286,7 +289,7 @@ class TorchEngine(Engine, nn.Module):
         def fill() -> torch.Tensor:
             pos = self.catch_up_pos[:rows]
             x = self.held[:b].index_select(1, pos)
-            return self._text_branch(x, self.cos[pos], self.sin[pos], pos, attention_mask(pos, kv_len), layer_step)
+            return self._text_branch(x, At(self.cos[pos], self.sin[pos], pos, attention_mask(pos, kv_len)), layer_step)
 
         if self.use_graphs:
             self.graphs.run(("catch-up", b, rows, kv_len), fill)
@@ -361,12 +364,8 @@ def kv_bucket(length: int, max_seq_len: int) -> int:
     return min(max_seq_len, -(-length // KV_BUCKET) * KV_BUCKET)
 
 
-def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TorchEngine:
-    """Open an engine directory written by build (its checkpoint files are hard links)."""
-    known = dict(meta["options"])
-    if known.pop("late_text_fill", False):  # engines built before the deferred fill: its successor, the same function
-        known["defer_text_fill"] = True
-    opts = EngineOptions(**known)
-    opts = replace(opts, device=device or opts.device, max_batch=max_batch or opts.max_batch)
-    _, spec, tensors = trtckpt.load_checkpoint(engine_dir, device="cuda" if opts.device.startswith("cuda") else "cpu")
-    return TorchEngine(spec, tensors, opts)
+def load(engine_dir: str | Path, meta: dict, options: EngineOptions) -> TorchEngine:
+    """Open an engine directory written by build (its checkpoint files are hard links), with
+    the tuning build stored."""
+    _, spec, tensors = trtckpt.load_checkpoint(engine_dir, device="cuda" if options.on_cuda else "cpu")
+    return TorchEngine(spec, tensors, options, blocks.read_tuning(meta.get("tuning", {}).get("gemv", {})))

@@ -25,6 +25,7 @@ import torch
 
 from workflow.engines import trtllm_model
 from workflow.engines.base import Engine, merged_ids
+from workflow.engines.options import EngineOptions
 from workflow.errors import InputError
 from workflow.spec import ModelSpec
 
@@ -86,8 +87,8 @@ def build(ckpt_dir: Path, out: Path, meta: dict) -> None:
     tllm = require_tensorrt_llm()
     from tensorrt_llm import builder
 
-    opts = meta["options"]
-    settings = BuildSettings(max_batch=opts["max_batch"], max_seq_len=opts["max_seq_len"])
+    opts: EngineOptions = meta["options"]
+    settings = BuildSettings(max_batch=opts.max_batch, max_seq_len=opts.max_seq_len)
     model = trtllm_model.load_model(ckpt_dir)
     config = builder.BuildConfig(
         max_batch_size=settings.max_batch,
@@ -274,14 +275,12 @@ class TrtllmEngine(Engine):
         return (out["logits"].float() if need_text else None), out["audio_logits"].float()
 
 
-def load(engine_dir: str | Path, meta: dict, device: str | None = None, max_batch: int | None = None) -> TrtllmEngine:
+def load(engine_dir: str | Path, meta: dict, options: EngineOptions) -> TrtllmEngine:
     """Open an engine directory written by build (a CUDA device; a batch limit up to the built one)."""
-    built, device = meta["options"]["max_batch"], device or meta["options"]["device"]
-    if torch.device(device).type != "cuda":
-        raise InputError(engine_dir, f"backend trtllm runs on cuda only, not on device '{device}'")
-    if (max_batch or built) > built:
+    built, max_batch = meta["options"].max_batch, options.max_batch
+    if max_batch > built:
         raise InputError(engine_dir, f"max_batch {max_batch} exceeds the {built} the engine was built for")
     require_tensorrt_llm()
     if "trtllm" not in meta:
         raise InputError(Path(engine_dir) / "engine.json", "no 'trtllm' section: not built by this backend's build()")
-    return TrtllmEngine(Path(engine_dir), meta, max_batch or built)
+    return TrtllmEngine(Path(engine_dir), meta, max_batch)

@@ -1,0 +1,138 @@
+"""The fused GEMV's launch shapes, named: what a call fuses (Fuse), a call site (Use), a kernel
+body and its sizes (Block), the candidates tuning times, and engine.json's form of the result.
+
+Pure Python: engine.json is read and written without the kernels (workflow.engines.gemv).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import operator
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Fuse(enum.Flag):
+    """What a call runs around its weight read: they change the best block (a norm or silu
+    prologue re-reads x in every program, so fewer, wider programs can win)."""
+
+    NONE = 0
+    NORM = enum.auto()  # prologue: RMSNorm of x
+    SILU = enum.auto()  # prologue: x = [gate | up] -> silu(gate) * up
+    RES = enum.auto()  # epilogue: + residual
+    GLU = enum.auto()  # epilogue: w = [gate; up] -> silu(x @ gate^T) * (x @ up^T)
+
+
+class Use(NamedTuple):
+    """A call site as tuning sees it: the weight's shape and element size, and its Fuse."""
+
+    n: int
+    k: int
+    weight_bytes: int
+    fuse: Fuse
+
+    @classmethod
+    def of(cls, w: torch.Tensor, fuse: Fuse) -> Use:
+        return cls(w.shape[0], w.shape[1], w.element_size(), fuse)
+
+    def key(self) -> str:
+        """As engine.json stores it: "<n>x<k>:<bytes>:<fuse names joined by +>"."""
+        names = "+".join(f.name.lower() for f in Fuse if f and f in self.fuse)
+        return f"{self.n}x{self.k}:{self.weight_bytes}:{names}"
+
+    @classmethod
+    def parse(cls, key: str) -> Use:
+        shape, nbytes, names = key.split(":")
+        n, k = shape.split("x")
+        fuse = functools.reduce(operator.or_, (Fuse[name.upper()] for name in names.split("+") if name), Fuse.NONE)
+        return cls(int(n), int(k), int(nbytes), fuse)
+
+
+class Body(enum.StrEnum):
+    """The kernel's ways of reading the weight (see the module docstring)."""
+
+    TILE = "tile"  # each [BLOCK_N, BLOCK_K] tile reduced over K as it comes
+    DEFER = "defer"  # one row: the tile's float32 products kept, reduced once after the loop
+    RESIDENT = "resident"  # per_sm programs a multiprocessor hold x's whole row, striding over column blocks
+    DOT = "dot"  # tensor cores, FP8 weights read as stored, loads pipelined over `stages`
+
+
+class Block(NamedTuple):
+    """A launch shape: the body and its sizes (per_sm: RESIDENT only; stages: DOT only)."""
+
+    body: Body
+    block_n: int
+    block_k: int
+    warps: int
+    per_sm: int = 0
+    stages: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Block:
+        return cls(Body(d["body"]), d["block_n"], d["block_k"], d["warps"], d.get("per_sm", 0), d.get("stages", 0))
+
+    def to_dict(self) -> dict:
+        return self._asdict() | {"body": self.body.value}
+
+
+BLOCK_N_CHOICES, WARPS_CHOICES = (2, 4, 8, 16), (4, 8)
+BLOCK_K_CHOICES = {2: (512, 1024, 2048), 1: (1024, 2048, 4096), 4: (256, 512, 1024)}  # by weight bytes
+DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512, 1024)  # the deferred body holds BLOCK_N x BLOCK_K floats
+DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
+RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
+DOT_N, DOT_K, DOT_STAGES = (32, 64, 128), (128, 256), (2, 4)  # the tensor-core body (FP8, Fuse NONE or RES)
+
+
+class Tuned(NamedTuple):
+    """tune's choice for a use, and its time there (ms a call, for reports)."""
+
+    block: Block
+    ms: float
+
+
+def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE) -> list[Block]:
+    """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
+    tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
+    registers. For bf16 it brought nothing (levers ledger, probe 11). And, for K up to
+    RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
+    and running its prologue once, then striding over column blocks. For FP8 weights read with
+    no prologue and no GLU, the tensor-core body."""
+    fits = next_power_of_2(k)
+    tiled = [Block(Body.TILE, bn, bk, w) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
+    deferred = [Block(Body.DEFER, bn, bk, w) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
+    deferred = deferred if weight_bytes == 1 else []
+    resident = [Block(Body.RESIDENT, bn, fits, w, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
+    resident = resident if k <= RESIDENT_MAX_K else []
+    dot = [Block(Body.DOT, bn, bk, 4, 0, s) for bn in DOT_N for bk in DOT_K for s in DOT_STAGES if bk <= fits]
+    dot = dot if weight_bytes == 1 and fuse in (Fuse.NONE, Fuse.RES) else []
+    fit = [b for b in tiled + deferred if b.block_k <= fits]
+    ok = [b for b in fit if b.body != Body.DEFER or b.block_n * b.block_k <= DEFER_REGS * 32 * b.warps]
+    return ok + resident + dot
+
+
+def fuse_of(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> Fuse:
+    """The Fuse of a call with these prologue and epilogue arguments."""
+    on = ((Fuse.NORM, norm), (Fuse.SILU, silu_mul), (Fuse.RES, residual), (Fuse.GLU, glu))
+    return functools.reduce(operator.or_, (f for f, yes in on if yes), Fuse.NONE)
+
+
+def default_block(k: int) -> Block:
+    """The block of an untuned use (the CPU's interpreter, an engine built without a GPU)."""
+    return Block(Body.TILE, 8, min(512, next_power_of_2(k)), 4)
+
+
+def read_tuning(stored: dict) -> dict[Use, Tuned]:
+    """engine.json's `tuning.gemv` ({use key: block with its ms}) as tune returns it."""
+    return {Use.parse(key): Tuned(Block.from_dict(b), b.get("ms", float("nan"))) for key, b in stored.items()}
+
+
+def tuning_json(tuning: dict[Use, Tuned]) -> dict:
+    """tune's result as engine.json stores it."""
+    return {use.key(): tuned.block.to_dict() | {"ms": tuned.ms} for use, tuned in tuning.items()}
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
