@@ -8,10 +8,10 @@ from conftest import CALIB, verify_params
 
 from workflow import dataset, fp8, trtckpt, verify
 from workflow.calibrate import PARTS, expected_quantizers, quant_config
-from workflow.download import load_hf_state
 from workflow.engines import load_engine
 from workflow.errors import InputError
 from workflow.generate import Ids
+from workflow.hfckpt import load_hf_state
 from workflow.names import LINEARS, layer_plan
 from workflow.reference import MossSpeechReference
 from workflow.spec import load_spec

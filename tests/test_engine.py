@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from workflow import traffic
-from workflow.download import load_hf_state
 from workflow.engines import load_engine
 from workflow.generate import Ids, generate
+from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, ReferenceEngine
 from workflow.spec import load_spec
 

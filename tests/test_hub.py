@@ -30,7 +30,7 @@ from test_interrupt import kill_when, leftovers
 
 from workflow import download
 from workflow.artifacts import MANIFEST, read_manifest
-from workflow.download import INDEX
+from workflow.hfckpt import INDEX
 from workflow.hub import PARTIAL, RETRIES
 
 REPO, PRIVATE, GATED = "OpenMOSS-Team/MOSS-Speech", "OpenMOSS-Team/MOSS-Speech-private", "OpenMOSS-Team/MOSS-Speech-gated"

@@ -9,10 +9,10 @@ from seeded_bugs import BUGS
 
 from workflow import generate as generate_module
 from workflow import traffic, verify
-from workflow.download import load_hf_state
 from workflow.engines import load_engine
 from workflow.errors import InputError
 from workflow.generate import Ids, generate
+from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference
 from workflow.spec import load_spec
 from workflow.trtckpt import read_config

@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 
 from workflow import artifacts, dataset, fp8, trtckpt
-from workflow.download import load_hf_state
 from workflow.errors import InputError, run_main
+from workflow.hfckpt import load_hf_state
 from workflow.names import LAYER_TABLE, LINEARS, layer_plan
 from workflow.reference import MossSpeechReference
 from workflow.spec import ModelSpec

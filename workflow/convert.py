@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, trtckpt
-from workflow.download import load_hf_state, validate
 from workflow.errors import run_main
+from workflow.hfckpt import load_hf_state, validate
 from workflow.names import hf_to_trt
 
 

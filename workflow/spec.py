@@ -159,6 +159,8 @@ def hf_config(spec: ModelSpec, dtype: str = "bfloat16") -> dict:
     }
 
 
+FIRST_SPECIAL_TEXT_ID = 151643  # text ids from here on are Qwen's special tokens; synthetic text samples none
+
 _SPECIAL = dict(
     vocab_size=151680,
     audio_vocab_size=16512,

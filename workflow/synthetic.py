@@ -26,10 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from workflow.names import hf_shapes, layer_plan
-from workflow.spec import ModelSpec, hf_config
-
-# Text ids at and above this are Qwen's special tokens; synthetic text never samples them.
-FIRST_SPECIAL_TEXT_ID = 151643
+from workflow.spec import FIRST_SPECIAL_TEXT_ID, ModelSpec, hf_config
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from workflow.generate import Ids
-from workflow.synthetic import FIRST_SPECIAL_TEXT_ID
+from workflow.spec import FIRST_SPECIAL_TEXT_ID
 
 
 @dataclass(frozen=True)
