@@ -15,7 +15,9 @@ from snakemake.utils import validate
 ROOT = Path(workflow.basedir).resolve()
 sys.path.insert(0, str(ROOT))
 
-from workflow.engines.options import EngineOptions  # noqa: E402  (pure Python, no torch)
+from workflow.engines.options import (
+    EngineOptions,
+)  # noqa: E402  (pure Python, no torch)
 from workflow.errors import InputError  # noqa: E402
 from workflow.sources import parse_source  # noqa: E402
 

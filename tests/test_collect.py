@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 COLLECT = ROOT / "benchmarks" / "collect.py"
-RUNS = ["2026-11-24-h100-full11", "2026-11-24-h200-full5"]  # README's runs of record
+RUNS = ["2026-11-25-h100-full13", "2026-11-24-h200-full5"]  # README's runs of record
 BASE = "5dada02"  # holds every results directory and patch the ledger names
 
 
@@ -39,7 +39,7 @@ def test_both_variants_give_the_committed_summary(tmp_path, run):
 
 
 def test_one_variant_marks_what_it_cannot_judge(tmp_path):
-    """FP8 alone (H100 run 11's FP8 variant): its own figures and goals; bf16's and the ratios
+    """FP8 alone (H100 run 13's FP8 variant): its own figures and goals; bf16's and the ratios
     between the two are not measured, neither met nor missed."""
     got = collect(tmp_path, RESULTS / RUNS[0], "fp8")
     assert set(got["decode_step_ms"]) == {"fp8"} and "fp8_decode_speedup" not in got
