@@ -239,7 +239,8 @@ def config_check(engine_spec: ModelSpec, hf_spec: ModelSpec, ckpt_config: dict |
         return f"the HF config's {name}" if name in spec_fields else "derived from the HF config"
 
     differences: dict[str, str] = {}  # one line a field, the checkpoint's value first
-    for found in (ckpt_config or {}, trtckpt.trt_config(engine_spec, fp8)):
+    sources = ([] if ckpt_config is None else [ckpt_config]) + [trtckpt.trt_config(engine_spec, fp8)]
+    for found in sources:
         for key in sorted(want.keys() | found.keys()):
             if found.get(key) != want.get(key) and key not in differences:
                 differences[key] = f"config.{key} {found.get(key)!r} vs {want.get(key)!r} ({origin(key)})"

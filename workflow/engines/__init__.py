@@ -6,7 +6,6 @@ built from, what build tuned) and whatever its backend needs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,8 +57,8 @@ def check_built_from(engine_dir: str | Path, ckpt_dir: str | Path) -> dict:
 def load_engine(engine_dir: str | Path, device: str | None = None, max_batch: int | None = None) -> Engine:
     """Open a built engine with its backend (device and batch limit may be overridden)."""
     meta = read_engine_json(engine_dir)
-    built: EngineOptions = meta["options"]
-    options = dataclasses.replace(built, device=device or built.device, max_batch=max_batch or built.max_batch)
+    asked = {k: v for k, v in (("device", device), ("max_batch", max_batch)) if v}
+    options = EngineOptions.from_dict(meta["options"].to_dict() | asked, Path(engine_dir) / ENGINE_JSON)
     if options.backend == "torch":
         from workflow.engines.torch_engine import load
 

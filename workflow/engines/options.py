@@ -58,8 +58,9 @@ class EngineOptions:
             return "dtype", f"unknown dtype '{self.dtype}' (known: {', '.join(DTYPES)})"
         if self.device != "cpu" and self.device.split(":")[0] != "cuda":
             return "device", f"unknown device '{self.device}' (cpu or cuda)"
-        if self.max_batch < 1 or self.max_seq_len < 1:
-            return "max_batch", f"limits must be positive, not {self.max_batch} x {self.max_seq_len}"
+        for name in ("max_batch", "max_seq_len"):
+            if getattr(self, name) < 1:
+                return name, f"must be at least 1, not {getattr(self, name)}"
         if self.backend == "trtllm" and not self.on_cuda:
             return "backend", f"backend trtllm runs on cuda only, not on device '{self.device}'"
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the tests' way to run the kernels on a CPU
