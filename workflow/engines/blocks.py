@@ -87,10 +87,11 @@ DOT_N, DOT_K, DOT_STAGES = (32, 64, 128), (128, 256), (2, 4)  # the tensor-core 
 
 
 class Tuned(NamedTuple):
-    """tune's choice for a use, and its time there (ms a call, for reports)."""
+    """tune's choice for a use, and its time there (ms a call, for reports; None where an older
+    engine.json did not record it)."""
 
     block: Block
-    ms: float
+    ms: float | None
 
 
 def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE) -> list[Block]:
@@ -126,7 +127,7 @@ def default_block(k: int) -> Block:
 
 def read_tuning(stored: dict) -> dict[Use, Tuned]:
     """engine.json's `tuning.gemv` ({use key: block with its ms}) as tune returns it."""
-    return {Use.parse(key): Tuned(Block.from_dict(b), b.get("ms", float("nan"))) for key, b in stored.items()}
+    return {Use.parse(key): Tuned(Block.from_dict(b), b.get("ms")) for key, b in stored.items()}
 
 
 def tuning_json(tuning: dict[Use, Tuned]) -> dict:

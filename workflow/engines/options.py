@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from workflow.engines.blocks import Block, Body
 from workflow.errors import InputError
 
 BACKENDS = ("torch", "trtllm")
@@ -108,9 +109,9 @@ def upgrade(meta: dict, path: str | Path) -> dict:
             options.setdefault(key, meta.pop(key))
     if options.pop("late_text_fill", False):
         options["defer_text_fill"] = True
-    blocks = options.pop("gemv_blocks", None) or {}
+    stored = options.pop("gemv_blocks", None) or {}
     tuning = dict(meta.get("tuning", {}))
-    tuning["gemv"] = {use: old_block(list(block), path) for use, block in blocks.items()}
+    tuning["gemv"] = {use: old_block(list(block), path) for use, block in stored.items()}
     return meta | {"format": ENGINE_FORMAT, "options": options, "tuning": tuning}
 
 
@@ -119,5 +120,5 @@ def old_block(numbers: list[int], path: str | Path) -> dict:
     if not 3 <= len(numbers) <= 6 or not all(isinstance(n, int) for n in numbers):
         raise InputError(path, f"a GEMV block of 3 to 6 ints expected, not {numbers}")
     block_n, block_k, warps, defer, per_sm, stages = (*numbers, 0, 0, 0)[:6]
-    body = "dot" if stages else "resident" if per_sm else "defer" if defer else "tile"
-    return {"body": body, "block_n": block_n, "block_k": block_k, "warps": warps, "per_sm": per_sm, "stages": stages}
+    body = Body.DOT if stages else Body.RESIDENT if per_sm else Body.DEFER if defer else Body.TILE
+    return Block(body, block_n, block_k, warps, per_sm, stages).to_dict()
