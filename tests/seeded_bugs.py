@@ -4,7 +4,8 @@ A bug changes a correct checkpoint (as convert or calibrate writes it) before bu
 engine (faults that live only in a running engine), or the generation loop (`loop` replaces
 workflow.generate.advance). `fails` is the start of the verify failure that must report it:
 `config.` (a field differs from the HF config), `teacher_forced.` (prefill logits differ),
-`teacher_forced_decode.` (only logits read through the KV caches differ) or `greedy.`. A bug
+`teacher_forced_decode.` (only logits read through the KV caches differ), `ragged.` (only
+logits of slots at different lengths differ) or `greedy.`. A bug
 whose checkpoint build must refuse names the one-line message instead (`refused_at_build`).
 """
 
@@ -105,12 +106,25 @@ def deferred_fill_skips_a_position(engine: TorchEngine) -> None:
     engine.defer_text_fill = True
     catch_up = engine._catch_up_text
 
-    def skipping() -> None:
-        if engine.text_filled < engine.length:
-            engine.text_filled += 1
-        catch_up()
+    def skipping(b: int) -> None:
+        slots = engine.slots
+        slots.filled = [f + (f < n) for f, n in zip(slots.filled, slots.length, strict=True)]
+        catch_up(b)
 
     engine._catch_up_text = skipping
+
+
+def slot_reads_another_slots_length(engine: TorchEngine) -> None:
+    """Decode attention masked by the first row's length for every row: in lockstep, where all
+    rows have one length, nothing shows; in a ragged batch a slot reads positions past its own
+    length (stale keys of an earlier stream) or misses its last ones."""
+    at = engine.at
+
+    def shared(pos, rows, kv_len):
+        a = at(pos, rows, kv_len)
+        return a if a.mask is None else a._replace(mask=a.mask[:1].expand_as(a.mask))
+
+    engine.at = shared
 
 
 def switch_fed_in_its_new_mode(text_tok, audio_tok, audio_mode, ids):
@@ -140,5 +154,6 @@ BUGS = [
     SeededBug(
         "deferred_text_fill_skips_a_position", "bf16", fails="teacher_forced_decode.text.", engine=deferred_fill_skips_a_position
     ),
+    SeededBug("slot_reads_another_slots_length", "bf16", fails="ragged.", engine=slot_reads_another_slots_length),
     SeededBug("switch_embedded_wrong", "bf16", fails="greedy.match_fraction", loop=switch_fed_in_its_new_mode),
 ]

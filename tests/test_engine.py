@@ -176,7 +176,7 @@ def test_deferred_text_fill_skips_the_text_branch_then_catches_up(tiny_engine_di
     for a, b in zip(engines[False].layers, engines[True].layers, strict=True):
         for want, have in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
             assert (want[:2, :, : n + 6] - have[:2, :, : n + 6]).abs().max() < TOL
-    assert engines[True].text_filled == n + 6
+    assert engines[True].slots.filled == [n + 6] * 2
 
 
 def test_batch_rows_are_independent(engine):

@@ -1,6 +1,6 @@
 """verify: does the engine compute MOSS-Speech? Judged by the independent reference.
 
-Three checks on held-out prompts (synthetic traffic from verify's own seed, never calibration
+Four checks on held-out prompts (synthetic traffic from verify's own seed, never calibration
 rows):
 - teacher-forced, prefill: per-position logits of both heads, engine vs reference: max |diff|
   and cosine over every position; KL(reference || engine) and top-1 agreement where
@@ -9,6 +9,9 @@ rows):
 - teacher-forced, decode: the same metrics, but the second half of each prompt is fed one
   decode step at a time, so every logit comes through the KV caches (a prefill only reads
   keys it has just written, so it cannot see a cache shared between branches);
+- ragged: the same metrics with the prompts sharing the engine's slots at different lengths,
+  joining and leaving at different steps (`workflow.ragged`), each judged against the
+  reference over that sequence alone;
 - greedy: the modality-switching loop run on both for N steps; tokens must match.
 Thresholds per precision come from config. verify.json is written only when every threshold
 holds; otherwise the metrics go to verify.failed.json, an earlier verify.json is removed and
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from workflow import artifacts, dataset, traffic, trtckpt
+from workflow import artifacts, dataset, ragged, traffic, trtckpt
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.errors import InputError, run_main
@@ -37,7 +40,7 @@ from workflow.spec import ModelSpec
 # A threshold named *_min fails below its value, *_max above it; null means not checked. Each
 # applies to both teacher-forced sections.
 METRICS = {"max_abs_diff_max": "max_abs_diff", "cosine_min": "cosine_min", "top1_min": "top1", "kl_mean_max": "kl_mean"}
-TEACHER_FORCED = ("teacher_forced", "teacher_forced_decode")
+TEACHER_FORCED = ("teacher_forced", "teacher_forced_decode", "ragged")
 
 
 def head_metrics(ref: torch.Tensor, eng: torch.Tensor, used: torch.Tensor, tie_margin: float = 0.0) -> dict:
@@ -211,8 +214,8 @@ def failures(report: dict, thresholds: dict) -> list[str]:
     for key, metric in METRICS.items():
         limit = thresholds.get(key)
         for section in TEACHER_FORCED if limit is not None else ():
-            for head, m in report[section].items():
-                got = m[metric]  # written so that NaN fails either way
+            for head in ("text", "audio"):
+                got = report[section][head][metric]  # written so that NaN fails either way
                 if (key.endswith("_min") and not got >= limit) or (key.endswith("_max") and not got <= limit):
                     out.append(f"{section}.{head}.{metric} {got:.6g} vs {key} {limit}")
     g = report["greedy"]
@@ -269,6 +272,7 @@ def evaluate(
         "config": config_check(engine.spec, ref.spec, ckpt_config),
         "teacher_forced": forced["prefill"],
         "teacher_forced_decode": forced["decode"],
+        "ragged": ragged.compare(engine, ref, prompts, ids, head_metrics, tie_margin),
         "greedy": greedy(engine, ref, prompts, greedy_steps, ids, frozenset(force_switch_at), tie_margin),
         "thresholds": thresholds,
     }

@@ -8,7 +8,7 @@ microseconds whatever it does. This kernel does all of it in one launch. A progr
 
 - prologue: loads the group's q rows and the new k and v rows from qkv, applies the q/k
   RMSNorms and rope with the roundings of `rms_norm` and `rope` (float32 math, cast to the
-  input dtype at the same points), and writes the new k and v into the caches at `pos`;
+  input dtype at the same points), and writes the new k and v into the caches at the sequence's own position;
 - body: streams the cached K and V of positions < pos in BLOCK_S chunks with an online
   (float32) softmax; the new token's own score and value come from registers, never from the
   cache row just written, so no program reads what another one writes;
@@ -75,7 +75,7 @@ if triton is not None:
     @triton.jit
     def _decode_attn(
         qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, m_ptr, l_ptr, acc_ptr, quant_ptr,
-        qkv_stride, c_sb, c_sh, c_ss, eps, qk_scale,
+        qkv_stride, c_sb, c_sh, c_ss, pos_step, angle_step, eps, qk_scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         KV_LEN: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, QUANT: tl.constexpr,
@@ -84,8 +84,8 @@ if triton is not None:
         D2: tl.constexpr = D // 2
         g, d2, d = tl.arange(0, GP), tl.arange(0, D2), tl.arange(0, D)
         g_ok = g < G
-        pos = tl.load(pos_ptr).to(tl.int32)
-        cos, sin = tl.load(cos_ptr + d2), tl.load(sin_ptr + d2)
+        pos = tl.load(pos_ptr + b * pos_step).to(tl.int32)  # this sequence's own position and angles
+        cos, sin = tl.load(cos_ptr + b * angle_step + d2), tl.load(sin_ptr + b * angle_step + d2)
         row = qkv_ptr + b * qkv_stride
         q_ptrs = row + (kvh * G + g)[:, None] * D + d2[None, :]
         q1, q2 = _norm_rope(
@@ -187,8 +187,9 @@ def launch(
     quant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [B, 1, H*D] for qkv [B, 1, (H + 2 Hkv) D]; writes the new k, v into the caches
-    [Bmax, Hkv, S, D] at pos (int64 [1], shared by the batch). Attends to positions < kv_len
-    that are <= pos (pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
+    [Bmax, Hkv, S, D], row b at pos[b] (int64 [B], or [1] shared by the batch), rope's angles
+    cos/sin [B, D/2] (or [1, D/2]). Row b attends to its positions < kv_len that are <= pos[b]
+    (every pos < kv_len); splits > 1: that many programs per (sequence, kv head), then a
     combine; 0: `choose_splits`. quant: dense's activation scale (float32 [1]), and y is its
     float8_e4m3fn input."""
     b, t, width = qkv.shape
@@ -200,6 +201,9 @@ def launch(
         raise ValueError(f"decode_attention: head_dim {d} (a power of 2 >= 32), kv_len {kv_len}, batch {b}")
     if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("decode_attention: qkv and the caches need unit stride on the last dimension")
+    if pos.numel() not in (1, b) or cos.numel() not in (d // 2, b * d // 2) or not cos.is_contiguous():
+        raise ValueError(f"decode_attention: pos {tuple(pos.shape)} and angles {tuple(cos.shape)} for a batch of {b}")
+    pos_step, angle_step = (0, 0) if pos.numel() == 1 else (1, d // 2)
     splits = splits or choose_splits(b, hkv, kv_len, qkv.device)
     split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_s) * block_s
     y = torch.empty(b, 1, h * d, device=qkv.device, dtype=qkv.dtype if quant is None else torch.float8_e4m3fn)
@@ -208,7 +212,8 @@ def launch(
     g = h // hkv
     _decode_attn[(b, hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, y, m, l_, acc, qkv if quant is None else quant,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, math.log2(math.e) / math.sqrt(d),
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pos_step, angle_step, eps,
+        math.log2(math.e) / math.sqrt(d),
         H=h, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, KV_LEN=kv_len, SPLITS=splits,
         SPLIT_LEN=split_len, BLOCK_S=block_s, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         QUANT=quant is not None, num_warps=num_warps,

@@ -1,15 +1,23 @@
 """The engine interface every backend implements, and the one input-embedding rule they share.
 
-An engine holds its KV caches (trunk, text branch, audio branch: distinct layers) and answers:
+An engine holds max_batch KV slots (each with caches for the trunk, the text branch and the
+audio branch: distinct layers) and answers:
 
-    prefill(tokens [B, T, 2]) -> (text_logits | None, audio_logits)   starts B new sequences
-    decode(tokens [B, 2])     -> (text_logits | None, audio_logits)   one step for each
+    admit(slots, tokens [B, T, 2]) -> (text_logits | None, audio_logits)  B new streams, in free slots
+    step(slots, tokens [B, 2], need_text) -> (text_logits | None, audio_logits)  one position each
+    release(slots)                                                        their streams end
 
-Both take need_text: False when every sequence's next token is sampled in audio mode, whose
-text logits are never read (FACTS.md section 1); the engine may then skip the text head (a
-151 k x 4 k weight read) and return None, while the text branch still fills its KV cache, in
-that step or (`defer_text_fill`) for all the positions owed at the next step that needs
-text: the text branch's output is read nowhere else.
+admit prefills the new streams while the other slots keep their caches; step advances every
+active slot at once, each at its own position (lengths are ragged: each slot attends to its own
+history only); logits come in the order of `slots`. need_text says, per slot, whether its next
+token is sampled in text mode: in audio mode the text logits are never read (FACTS.md section 1).
+When no slot needs them the engine may skip the text head (a 151 k x 4 k weight read) and return
+None, while the text branch still fills its KV cache, in that step or (`defer_text_fill`) for
+all the positions owed at the next step that needs text: its output is read nowhere else.
+
+prefill and decode are the lockstep form the one-request paths use (generate, verify, the
+micro-benchmark): prefill releases every slot and admits B streams into slots 0..B-1, decode
+steps them.
 
 Each position carries (text id, audio id). Its embedding is the text one unless the text id
 is modality_pad, then the audio one: `merged_ids` turns that choice into one row index of
@@ -20,6 +28,7 @@ same way. The generation loop, verify and benchmark never know which backend the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -42,17 +51,44 @@ class Engine(ABC):
     defer_text_fill: bool = False  # audio-mode decode leaves the text branch to the next text-mode step
 
     @abstractmethod
+    def admit(
+        self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool = True, all_logits: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Prefill len(slots) new streams [B, T, 2] into these free slots. Logits of the last
+        position ([B, V], [B, Va]), or of every position ([B, T, V], [B, T, Va]) with all_logits.
+        float32."""
+
+    @abstractmethod
+    def step(
+        self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool | Sequence[bool] = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One decode step [B, 2] for every active slot (`slots` lists them all, in the order of
+        the rows of tokens and of the logits). need_text: per slot, or one for all; text logits
+        None when no slot needs them."""
+
+    @abstractmethod
+    def release(self, slots: Sequence[int]) -> None:
+        """End these slots' streams: the slots are free at once."""
+
+    @abstractmethod
+    def active(self) -> list[int]:
+        """The slots holding a stream."""
+
     def prefill(
         self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Start len(tokens) new sequences. Logits of the last position ([B, V], [B, Va]), or of
-        every position ([B, T, V], [B, T, Va]) with all_logits. float32. need_text: as decode."""
+        """Start len(tokens) new sequences in slots 0..B-1, every slot released first."""
+        b, t, _ = tokens.shape
+        if b > self.max_batch or t > self.max_seq_len:
+            raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
+        self.release(self.active())
+        return self.admit(range(tokens.shape[0]), tokens, need_text, all_logits)
 
-    @abstractmethod
     def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One step for each sequence. With need_text False (every sequence in audio mode) the
-        text head is skipped and None returned; the text branch still fills its cache (or, with
-        defer_text_fill, catches up at the next decode with need_text)."""
+        """One step for each sequence prefill started."""
+        if tokens.shape[0] != len(self.active()):
+            raise ValueError(f"decode of batch {tokens.shape[0]} after a prefill of batch {len(self.active())}")
+        return self.step(range(tokens.shape[0]), tokens, need_text)
 
     def tuning_json(self) -> dict:
         """What the engine tuned on this GPU when first opened (build stores it in engine.json)."""

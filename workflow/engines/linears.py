@@ -29,9 +29,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX rotary embedding (rotate halves): x [B, T, heads, d], cos/sin [T, d/2]."""
+    """GPT-NeoX rotary embedding (rotate halves): x [B, T, heads, d], cos/sin [T, d/2] or, a
+    position per row, [B, T, d/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 

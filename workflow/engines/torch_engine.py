@@ -23,7 +23,7 @@ the same function; only when the text cache is filled changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,6 +37,7 @@ from workflow.engines import attention, blocks, gemv
 from workflow.engines.base import Engine, merged_ids
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.engines.options import EngineOptions
+from workflow.engines.slots import Slots
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
@@ -48,13 +49,15 @@ NORMS = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attentio
 
 
 class At(NamedTuple):
-    """Where a step's tokens sit: rope's angles and the positions, and the attention mask (None:
-    a prefill from an empty cache, causal over the new tokens; else [T, kv_len], which of the
-    first kv_len cached positions each token attends to)."""
+    """Where a step's tokens sit: rope's angles ([B or 1, T, d/2]), their positions ([B or 1, T])
+    and cache rows ([B, 1]), and the attention mask (None: a prefill from an empty row, causal over
+    the new tokens; else [B, 1, T, kv_len], which of its row's first kv_len cached positions each
+    token attends to). A decode step and the text catch-up run rows 0..B-1."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     pos: torch.Tensor
+    rows: torch.Tensor
     mask: torch.Tensor | None
 
 
@@ -94,24 +97,22 @@ def layer_step(
     if cfg.decode_attention and at.mask is not None and t == 1:
         fp8_in = w.dense.a_scale is not None and gemv_path(x, cfg.gemv)  # dense's input as its FP8 GEMV reads it
         y = attention.decode_attention(
-            qkv_out, w.norms[2], w.norms[3], at.cos, at.sin, k_cache, v_cache, at.pos, at.mask.shape[-1], cfg.eps,
-            quant=w.dense.a_scale if fp8_in else None,
+            qkv_out, w.norms[2], w.norms[3], at.cos.view(b, -1), at.sin.view(b, -1), k_cache, v_cache, at.pos.view(b),
+            at.mask.shape[-1], cfg.eps, quant=w.dense.a_scale if fp8_in else None,
         )  # fmt: skip
     else:
         q, k, v = qkv_out.split([qkv_out.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
-        q = rope(rms_norm(q.view(b, t, -1, d), w.norms[2], cfg.eps), at.cos, at.sin).transpose(1, 2)
-        k = rope(rms_norm(k.view(b, t, -1, d), w.norms[3], cfg.eps), at.cos, at.sin).transpose(1, 2)
-        v = v.view(b, t, -1, d).transpose(1, 2)
-        k_cache, v_cache = k_cache[:b], v_cache[:b]
-        if at.mask is None:  # prefill: positions 0..t-1, a plain slice (compile writes it in place, no scatter)
-            k_cache[:, :, :t].copy_(k)
-            v_cache[:, :, :t].copy_(v)
+        q = rope(rms_norm(q.view(b, t, -1, d), w.norms[2], cfg.eps), at.cos, at.sin)
+        k = rope(rms_norm(k.view(b, t, -1, d), w.norms[3], cfg.eps), at.cos, at.sin)
+        v = v.view(b, t, -1, d)
+        k_cache[at.rows, :, at.pos] = k  # each token's key at (its row, its position)
+        v_cache[at.rows, :, at.pos] = v
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if at.mask is None:  # prefill from an empty row: the new tokens see only each other
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            k_cache.index_copy_(2, at.pos, k)
-            v_cache.index_copy_(2, at.pos, v)
             kv_len = at.mask.shape[-1]
-            k_seen, v_seen = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+            k_seen, v_seen = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
             y = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=at.mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
     h = project(y, w.dense, cfg.gemv, residual=x)
@@ -131,11 +132,6 @@ class Layer(nn.Module):
         self.norms = norms
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-
-    def setup_cache(self, spec: ModelSpec, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, spec.num_key_value_heads, seq, spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def weights(self) -> LayerWeights:
         return LayerWeights(self.norms, self.qkv.args(), self.dense.args(), self.gate_up.args(), self.proj.args())
@@ -214,18 +210,23 @@ class TorchEngine(Engine, nn.Module):
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
         self.cos, self.sin = angles.cos(), angles.sin()
         self.positions = torch.arange(options.max_seq_len, device=dev)  # persistent: graphs read it
-        for layer in self.layers:
-            layer.setup_cache(spec, options.max_batch, options.max_seq_len, dt, self.device)
-        self.batch = 0
-        self.length = 0  # host-side count of cached positions (no device sync needed)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # device-side: the next position
+        self.row_ids = torch.arange(options.max_batch, device=dev)[:, None]
+        # every layer's K and V caches, one tensor: a released row is refilled by one copy
+        self.kv = torch.zeros(
+            spec.num_layers, 2, options.max_batch, spec.num_key_value_heads, options.max_seq_len, spec.head_dim,
+            dtype=dt, device=dev,
+        )  # fmt: skip
+        for n, layer in enumerate(self.layers):
+            layer.k_cache, layer.v_cache = self.kv[n, 0], self.kv[n, 1]
+        self.slots = Slots(options.max_batch, options.max_seq_len)
+        self.pos = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)  # each row's next position
+        self.admit_rows = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)  # the admit graphs' input
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
         self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
         self.defer_text_fill = options.defer_text_fill
-        self.text_filled = 0  # positions whose text-branch cache is filled; the rest are owed, their trunk outputs in `held`
         self.held: torch.Tensor | None = None  # [max_batch, max_seq_len, hidden], made by the first step that defers
-        self.catch_up_pos = torch.zeros(options.max_seq_len, dtype=torch.long, device=dev)  # the catch-up graphs' input
+        self.catch_up_pos = torch.zeros(options.max_batch, options.max_seq_len, dtype=torch.long, device=dev)
 
     def gemv_uses(self) -> list[tuple[Linear, blocks.Fuse]]:
         """Each linear the GEMV reads in decode, with the Fuse of its call."""
@@ -235,25 +236,21 @@ class TorchEngine(Engine, nn.Module):
     def tuning_json(self) -> dict:
         return {"gemv": blocks.tuning_json(self.tuning)} if self.tuning else {}
 
+    def at(self, pos: torch.Tensor, rows: torch.Tensor, kv_len: int | None) -> At:
+        """A step's At: positions pos [B or 1, T] in cache rows [B, 1]; kv_len None: a prefill."""
+        mask = None if kv_len is None else attention_mask(pos, kv_len)
+        return At(self.cos[pos], self.sin[pos], pos, rows, mask)
+
     def forward_tokens(
-        self,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        need_text: bool,
-        all_logits: bool,
-        kv_len: int | None,
-        hold: bool = False,
+        self, tokens: torch.Tensor, at: At, need_text: bool, all_logits: bool, hold: bool = False
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """tokens [B, T, 2] (text id, audio id) at positions pos [T] -> both heads' logits.
-        kv_len None: a prefill from an empty cache; else a decode attending to kv_len positions.
-        hold: no text branch, the trunk output kept in `held` at pos for `_catch_up_text`."""
-        at = At(self.cos[pos], self.sin[pos], pos, None if kv_len is None else attention_mask(pos, kv_len))
+        """tokens [B, T, 2] (text id, audio id) where `at` puts them -> both heads' logits.
+        hold: no text branch, the trunk output kept in `held` for `_catch_up_text`."""
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
-        b = x.shape[0]
         for layer in self.trunk:
             x = layer(x, at)
         if hold:
-            self.held[:b].index_copy_(1, pos, x)
+            self.held[at.rows, at.pos] = x
         text = x if hold else self._text_branch(x, at)
         audio = x
         for layer in self.audio_block:
@@ -270,71 +267,100 @@ class TorchEngine(Engine, nn.Module):
             x = layer(x, at, step)
         return x
 
-    def _catch_up_text(self) -> None:
-        """The text branch over every position audio-mode steps left it, at once, as a prefill
-        continuing the cache: one read of its weights for them all. The rows are padded to a
-        power of two (at least CATCH_UP_ROWS) with positions past the sequence, whose cache
-        entries no one reads before a later step writes them, so that on CUDA a graph per (batch,
-        rows, attention bucket) replays it: run eagerly, its ~250 small ops cost the host
-        milliseconds. Eager `layer_step` under the graph: a compile per row count would cost
-        seconds."""
-        start, end, b = self.text_filled, self.length, self.batch
-        if start == end:
+    def _catch_up_text(self, b: int) -> None:
+        """The text branch over every position audio-mode steps left it, in rows 0..b-1, at once,
+        as a prefill continuing each row's cache: one read of its weights for them all. Each row
+        runs R positions from its first owed one, R a power of two (at least CATCH_UP_ROWS) >= the
+        most any row owes; positions past a row's length (clamped to the cache: a clamped one
+        repeats the same work) write cache entries no one reads before a later step writes
+        them. So on CUDA a graph per (rows, R, attention bucket) replays it: run eagerly, its
+        ~250 small ops cost the host milliseconds. Eager `layer_step` under the graph: a compile
+        per shape would cost seconds."""
+        slots = self.slots
+        owed = max(n - f for n, f in zip(slots.length, slots.filled, strict=True))
+        if owed == 0:
             return
-        rows = max(CATCH_UP_ROWS, 1 << (end - start - 1).bit_length())
-        rows = rows if start + rows <= self.max_seq_len else end - start  # no room to pad: exactly those owed
-        kv_len = kv_bucket(start + rows, self.max_seq_len)
-        self.catch_up_pos[:rows].copy_(self.positions[start : start + rows])
+        r = max(CATCH_UP_ROWS, 1 << (owed - 1).bit_length())
+        kv_len = kv_bucket(min(max(slots.filled) + r, self.max_seq_len), self.max_seq_len)
+        first = torch.tensor(slots.filled + [0] * (b - slots.n), device=self.device)
+        pos = (first[:, None] + self.positions[None, :r]).clamp_(max=self.max_seq_len - 1)
+        self.catch_up_pos[:b, :r].copy_(pos)
 
         def fill() -> torch.Tensor:
-            pos = self.catch_up_pos[:rows]
-            x = self.held[:b].index_select(1, pos)
-            return self._text_branch(x, At(self.cos[pos], self.sin[pos], pos, attention_mask(pos, kv_len)), layer_step)
+            pos, rows = self.catch_up_pos[:b, :r], self.row_ids[:b]
+            return self._text_branch(self.held[rows, pos], self.at(pos, rows, kv_len), layer_step)
 
         if self.use_graphs:
-            self.graphs.run(("catch-up", b, rows, kv_len), fill)
+            self.graphs.run(("catch-up", b, r, kv_len), fill)
         else:
             fill()
-        self.text_filled = end
 
     @torch.no_grad()
-    def prefill(
-        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    def admit(
+        self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool = True, all_logits: bool = False
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         b, t, _ = tokens.shape
-        if b > self.max_batch or t > self.max_seq_len:
-            raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
-        self.batch, self.length, self.text_filled = b, t, t
-        self.pos.fill_(t)
-        return self._step(tokens, self.positions[:t], need_text, all_logits, None)
+        if b != len(slots):
+            raise ValueError(f"admit: {b} prompts for {len(slots)} slots")
+        rows = self.slots.admit(slots, t)
+        self.pos[rows.start : rows.stop].fill_(t)
+        self.admit_rows[:b, 0].copy_(self.row_ids[rows.start : rows.stop, 0])
+
+        def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+            at = self.at(self.positions[None, :t], self.admit_rows[:b], None)
+            return self.forward_tokens(static, at, need_text, all_logits)
+
+        return self._run(tokens, ("admit", need_text, all_logits), run)
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        b = tokens.shape[0]
-        if b != self.batch:
-            raise ValueError(f"decode of batch {b} after a prefill of batch {self.batch}")
-        if self.length >= self.max_seq_len:
-            raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
-        kv_len = kv_bucket(self.length + 1, self.max_seq_len)
-        hold = self.defer_text_fill and not need_text
+    def step(
+        self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool | Sequence[bool] = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        rows = self.slots.rows(slots)
+        if not rows:
+            raise ValueError("step: no active slot")
+        any_text = need_text if isinstance(need_text, bool) else any(need_text)
+        n = self.slots.n
+        b = batch_bucket(n, self.max_batch)
+        kv_len = kv_bucket(max(self.slots.length) + 1, self.max_seq_len)
+        hold = self.defer_text_fill and not any_text
         if not hold:
-            self._catch_up_text()
+            self._catch_up_text(b)
         elif self.held is None:  # outside any graph: those that hold read this one buffer
             self.held = self.embedding.new_zeros(self.max_batch, self.max_seq_len, self.spec.hidden_size)
-        out = self._step(tokens[:, None], self.pos, need_text, False, kv_len, hold)
-        self.pos += 1
-        self.length += 1
-        if not hold:
-            self.text_filled = self.length
-        return out
+        order = None if rows == list(range(n)) else torch.tensor(rows, device=self.device)
+        by_row = tokens
+        if order is not None or b != n:  # the tokens in row order, padding rows after them
+            by_row = tokens.new_zeros(b, 2).index_copy_(0, torch.tensor(rows, device=tokens.device), tokens)
 
-    def _step(self, tokens, pos, need_text: bool, all_logits: bool, kv_len: int | None, hold: bool = False):
-        """forward_tokens, replayed on CUDA from a graph per (shape, text head, bucket, hold). Host
+        def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return self.forward_tokens(static, self.at(self.pos[:b], self.row_ids[:b], kv_len), any_text, False, hold)
+
+        text, audio = self._run(by_row[:, None], ("step", any_text, kv_len, hold), run)
+        self.pos[:n] += 1
+        self.slots.stepped(filled=not hold)
+        if order is not None or b != n:
+            order = torch.arange(n, device=self.device) if order is None else order
+            text, audio = (None if text is None else text[order]), audio[order]
+        return text, audio
+
+    def release(self, slots: Sequence[int]) -> None:
+        for src, dst in self.slots.release(slots):
+            self.kv[:, :, dst].copy_(self.kv[:, :, src])
+            self.pos[dst] = self.pos[src]
+            if self.held is not None:
+                self.held[dst].copy_(self.held[src])
+        self.pos[self.slots.n :].zero_()  # free rows step at position 0 in a padded bucket
+
+    def active(self) -> list[int]:
+        return self.slots.active()
+
+    def _run(self, tokens: torch.Tensor, key: tuple, fn: Callable[[torch.Tensor], tuple]) -> tuple:
+        """fn(tokens on the device), replayed on CUDA from a graph per (tokens' shape, key). Host
         tokens reach the graph's input through a pinned buffer, copied asynchronously, and the
         embedding rows are chosen inside the graph: a step costs the host one copy and one launch."""
-        args = (need_text, all_logits, kv_len, hold)
         if not self.use_graphs:
-            return self.forward_tokens(tokens.to(self.device), pos, *args)
+            return fn(tokens.to(self.device))
         shape = tuple(tokens.shape)
         if shape not in self.static_tokens:
             pinned = torch.empty(shape, dtype=torch.long, pin_memory=True)
@@ -347,15 +373,21 @@ class TorchEngine(Engine, nn.Module):
             copied.record()
         else:
             static.copy_(tokens)
-        key = (shape, *args)
-        text, audio = self.graphs.run(key, lambda: self.forward_tokens(static, pos, *args))
+        text, audio = self.graphs.run((shape, *key), lambda: fn(static))
         return (None if text is None else text.clone()), audio.clone()
 
 
 def attention_mask(pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[T, kv_len]: which of the first kv_len cached positions each of the positions pos attends
-    to (itself and those before it), made on the device so that a graph replays it."""
-    return torch.arange(kv_len, device=pos.device)[None, :] <= pos[:, None]
+    """[B, 1, T, kv_len]: which of its row's first kv_len cached positions each token at pos
+    [B, T] attends to (itself and those before it), made on the device so that a graph replays it."""
+    return (torch.arange(kv_len, device=pos.device) <= pos[..., None])[:, None]
+
+
+def batch_bucket(n: int, max_batch: int) -> int:
+    """The rows a decode step of n active rows runs (one graph per bucket): n rounded up to a
+    power of two or 1.5 times one (so at most a third are padding), at most max_batch."""
+    p = 1 << (n - 1).bit_length()
+    return min(max_batch, p * 3 // 4 if n <= p * 3 // 4 and p >= 4 else p)
 
 
 def kv_bucket(length: int, max_seq_len: int) -> int:

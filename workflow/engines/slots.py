@@ -1,0 +1,86 @@
+"""Which KV-cache rows hold which streams: an engine's slots, kept packed.
+
+A stream is admitted into a free slot (an id the caller holds, 0..max_batch-1) and lives in a
+row of the engine's caches. Rows 0..n-1 are the active ones, always: a decode step runs rows
+0..n-1 (a plain slice of every cache, one CUDA graph per row-count bucket), and a released row is
+refilled by moving the last active row into it (`release` says which moves to make; the engine
+copies that row's caches, or its block table). Each row keeps its own length (positions cached)
+and how many of them the text branch has filled (`defer_text_fill`). Both backends use this
+bookkeeping; it checks every request against it and answers a ValueError in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Slots:
+    def __init__(self, max_batch: int, max_seq_len: int):
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.row_of: dict[int, int] = {}  # slot -> row
+        self.slot_at: list[int] = []  # row -> slot, rows 0..n-1
+        self.length: list[int] = []  # row -> positions cached
+        self.filled: list[int] = []  # row -> positions the text branch has filled
+
+    @property
+    def n(self) -> int:
+        return len(self.slot_at)
+
+    def active(self) -> list[int]:
+        """The active slots, in row order."""
+        return list(self.slot_at)
+
+    def free(self) -> list[int]:
+        return [s for s in range(self.max_batch) if s not in self.row_of]
+
+    def admit(self, slots: Sequence[int], prompt_len: int) -> range:
+        """Rows for new streams of `prompt_len` positions in these free slots."""
+        if len(set(slots)) != len(slots) or not slots:
+            raise ValueError(f"admit: slots {list(slots)} must be distinct, at least one")
+        bad = [s for s in slots if not 0 <= s < self.max_batch]
+        if bad:
+            raise ValueError(f"admit: slot(s) {bad} outside 0..{self.max_batch - 1}")
+        taken = [s for s in slots if s in self.row_of]
+        if taken:
+            raise ValueError(f"admit: slot(s) {taken} hold a stream; release them first")
+        if not 0 < prompt_len <= self.max_seq_len:
+            raise ValueError(f"admit: a prompt of {prompt_len} positions does not fit a slot of {self.max_seq_len}")
+        rows = range(self.n, self.n + len(slots))
+        for s, r in zip(slots, rows, strict=True):
+            self.row_of[s] = r
+        self.slot_at += list(slots)
+        self.length += [prompt_len] * len(slots)
+        self.filled += [prompt_len] * len(slots)
+        return rows
+
+    def rows(self, slots: Sequence[int]) -> list[int]:
+        """The rows of a decode step's slots, in the caller's order: every active slot, once."""
+        if sorted(slots) != sorted(self.slot_at):
+            raise ValueError(f"step: slots {sorted(slots)} are not the active ones {sorted(self.slot_at)}")
+        full = [s for s in slots if self.length[self.row_of[s]] >= self.max_seq_len]
+        if full:
+            raise ValueError(f"step: slot(s) {full} reached the engine's max_seq_len {self.max_seq_len}")
+        return [self.row_of[s] for s in slots]
+
+    def stepped(self, filled: bool) -> None:
+        """Every active row gained a position; filled: the text branch filled it too."""
+        self.length = [n + 1 for n in self.length]
+        if filled:
+            self.filled = list(self.length)
+
+    def release(self, slots: Sequence[int]) -> list[tuple[int, int]]:
+        """Free these slots; the (from row, to row) moves that keep the active rows packed, to be
+        made in order."""
+        unknown = [s for s in slots if s not in self.row_of]
+        if unknown:
+            raise ValueError(f"release: slot(s) {unknown} hold no stream")
+        moves = []
+        for s in slots:
+            row, last = self.row_of.pop(s), self.n - 1
+            if row != last:
+                moved = self.slot_at[last]
+                self.row_of[moved], self.slot_at[row] = row, moved
+                self.length[row], self.filled[row] = self.length[last], self.filled[last]
+                moves.append((last, row))
+            del self.slot_at[last], self.length[last], self.filled[last]
+        return moves

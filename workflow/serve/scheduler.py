@@ -1,0 +1,263 @@
+"""The serving loop: requests arrive at any time, speak in engine slots beside each other, and leave.
+
+One thread owns the engine. Each `iterate`:
+
+1. admits queued requests into free slots, at most `prefill_tokens` prompt tokens an iteration
+   (always at least one prompt), prompts of one length in one batched prefill. Prompts are
+   admitted whole, not chunked: a 512-token prefill costs about two decode steps of a full batch,
+   far inside the 80 ms each running stream has per code, and the token budget keeps a burst of
+   arrivals from stacking more than that in front of one step;
+2. samples every active stream's next token from its logits (MOSS-Speech's loop: `generate`'s
+   sampling, penalty and modality switches, per stream), with one wait for the device;
+3. sends every stream's finished chunk (K codes) to the detokenizer, as one batch across streams,
+   and stamps each chunk ready when its PCM is;
+4. retires streams that are done (their codes spoken, a stop id, their step budget) or that
+   failed (non-finite logits), freeing their slots at once;
+5. runs one decode step for every remaining stream, text-mode and audio-mode ones together
+   (`need_text` per slot), each at its own position.
+
+A request the engine cannot take is refused at `submit` with a one-line reason (an id outside
+the vocabularies, a prompt or reply longer than a slot, every slot busy when `when_full` is
+"refuse"), and `cancel` ends a stream and frees its slot at once: no request ever stops the
+others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from workflow.engines.base import Engine
+from workflow.generate import Ids, Sampling, advance, audio_mode_after, penalize, sample
+
+Detokenize = Callable[[list[tuple[torch.Tensor, int]]], None]  # [(codes [K], codes before them)], run in order
+
+
+@dataclass
+class Request:
+    """One spoken reply to make. The scheduler fills in what happened to it."""
+
+    rid: int
+    prompt: torch.Tensor  # [T, 2] (text id, audio id)
+    max_steps: int  # tokens to generate at most
+    reply_codes: int | None = None  # audio codes to speak, then done; with hold_speech, end-of-speech waits for them
+    t_arrival: float = 0.0
+    slot: int | None = None
+    t_admit: float | None = None
+    tokens: list[tuple[int, int]] = field(default_factory=list)  # fed back after each step
+    modes: list[bool] = field(default_factory=list)  # the mode each was sampled in (True: audio)
+    codes: list[int] = field(default_factory=list)
+    chunk_ready: list[float] = field(default_factory=list)
+    chunk_codes: list[int] = field(default_factory=list)
+    error: str | None = None  # refused, cancelled, or failed; None: served
+    finished: bool = False
+
+    @property
+    def ttfa_s(self) -> float | None:
+        return self.chunk_ready[0] - self.t_arrival if self.chunk_ready else None
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    chunk_tokens: int = 5
+    prefill_tokens: int = 2048  # prompt tokens admitted per iteration (one prompt at least)
+    when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
+    hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
+    sampling: Sampling = field(default_factory=Sampling)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        ids: Ids,
+        cfg: ServeConfig,
+        detokenize: Detokenize | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        generator: torch.Generator | None = None,
+    ):
+        self.engine, self.ids, self.cfg = engine, ids, cfg
+        self.detokenize, self.clock, self.generator = detokenize, clock, generator
+        spec, dev, slots = engine.spec, engine.device, engine.max_batch
+        self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
+        self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
+        self.invalid_audio = torch.arange(spec.audio_vocab_size, device=dev) > ids.eosp
+        self.queue: deque[Request] = deque()
+        self.streams: dict[int, Request] = {}  # slot -> request
+        self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
+        self.logits: tuple[list[int], torch.Tensor | None, torch.Tensor] | None = None  # slots, text, audio
+        self.done: list[Request] = []
+
+    def submit(self, req: Request) -> bool:
+        """Queue a request, or refuse it (req.error says why, req is done): False."""
+        why = self._refusal(req)
+        if why:
+            req.error, req.finished = f"refused: {why}", True
+            self.done.append(req)
+            return False
+        self.queue.append(req)
+        return True
+
+    def _refusal(self, req: Request) -> str | None:
+        spec, t = self.engine.spec, req.prompt.shape[0]
+        if req.prompt.ndim != 2 or req.prompt.shape[1] != 2 or t == 0:
+            return f"a prompt is [T, 2] (text id, audio id), not {list(req.prompt.shape)}"
+        for channel, size, name in ((0, spec.vocab_size, "text"), (1, spec.audio_vocab_size, "audio")):
+            bad = req.prompt[:, channel][(req.prompt[:, channel] < 0) | (req.prompt[:, channel] >= size)]
+            if bad.numel():
+                return f"{name} id {int(bad[0])} is outside the {name} vocabulary (0..{size - 1})"
+        if t + req.max_steps > self.engine.max_seq_len:
+            return f"prompt {t} + reply {req.max_steps} positions exceed a slot's {self.engine.max_seq_len}"
+        if self.cfg.when_full == "refuse" and len(self.streams) + len(self.queue) >= self.engine.max_batch:
+            return f"all {self.engine.max_batch} slots are busy"
+        return None
+
+    def cancel(self, rid: int) -> None:
+        """End a request now, queued or speaking: its slot is free at once."""
+        for req in list(self.queue):
+            if req.rid == rid:
+                self.queue.remove(req)
+                self._end(req, "cancelled")
+        for slot, req in list(self.streams.items()):
+            if req.rid == rid:
+                self._retire([slot], {slot: "cancelled"})
+
+    def idle(self) -> bool:
+        return not self.streams and not self.queue
+
+    def iterate(self) -> None:
+        """One admission, sampling, detokenization, retirement and decode step (module docstring)."""
+        self._admit()
+        if not self.streams:
+            return
+        slots, tokens, failed = self._sample()
+        chunks = self._chunks(slots)
+        if chunks:
+            if self.detokenize is not None:
+                self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks])
+            t = self.clock()
+            for req, codes, _ in chunks:
+                req.chunk_ready.append(t)
+                req.chunk_codes.append(len(codes))
+        ending = {s: failed[s] for s in slots if s in failed} | {
+            s: None for s in slots if s not in failed and self._finished(self.streams[s])
+        }
+        self._retire(list(ending), ending)
+        keep = [i for i, s in enumerate(slots) if s not in ending]
+        if keep:
+            going = [slots[i] for i in keep]
+            text, audio = self.engine.step(going, tokens[keep], [not self.mode[s] for s in going])
+            self.logits = (going, text, audio)
+
+    def _admit(self) -> None:
+        free, budget, admitted = self._free_slots(), self.cfg.prefill_tokens, []
+        while self.queue and free and (not admitted or budget >= self.queue[0].prompt.shape[0]):
+            req = self.queue.popleft()
+            req.slot, req.t_admit = free.pop(0), self.clock()
+            budget -= req.prompt.shape[0]
+            admitted.append(req)
+        by_len: dict[int, list[Request]] = {}
+        for req in admitted:
+            by_len.setdefault(req.prompt.shape[0], []).append(req)
+        for group in by_len.values():
+            slots = [r.slot for r in group]
+            prompts = torch.stack([r.prompt for r in group])
+            mode = audio_mode_after(prompts, self.ids)[:, -1].tolist()
+            text, audio = self.engine.admit(slots, prompts, need_text=not all(mode))
+            dev = self.engine.device
+            self.seen_text[slots] = False
+            self.seen_audio[slots] = False
+            rows = torch.tensor(slots, device=dev)[:, None]
+            self.seen_text[rows, prompts[..., 0].to(dev)] = True
+            self.seen_audio[rows, prompts[..., 1].to(dev)] = True
+            for req, m in zip(group, mode, strict=True):
+                self.streams[req.slot], self.mode[req.slot] = req, m
+            self._add_logits(slots, text, audio)
+
+    def _free_slots(self) -> list[int]:
+        busy = set(self.streams)
+        return [s for s in range(self.engine.max_batch) if s not in busy]
+
+    def _add_logits(self, slots: list[int], text: torch.Tensor | None, audio: torch.Tensor) -> None:
+        if self.logits is None:
+            self.logits = (slots, text, audio)
+            return
+        old_slots, old_text, old_audio = self.logits
+        if old_text is None and text is not None:
+            old_text = text.new_zeros(len(old_slots), text.shape[-1])
+        elif text is None and old_text is not None:
+            text = old_text.new_zeros(len(slots), old_text.shape[-1])
+        joined = None if text is None else torch.cat([old_text, text])
+        self.logits = (old_slots + slots, joined, torch.cat([old_audio, audio]))
+
+    def _sample(self) -> tuple[list[int], torch.Tensor, dict[int, str]]:
+        """Every active stream's next token: (slots, tokens [n, 2] on the device, {slot: why} for
+        streams whose logits are not finite); each stream's mode moves to its next token's."""
+        slots, text_logits, audio_logits = self.logits
+        dev, ids, s = self.engine.device, self.ids, self.cfg.sampling
+        idx = torch.tensor(slots, device=dev)
+        audio_mode = torch.tensor([self.mode[x] for x in slots], device=dev)
+        bad = ~torch.isfinite(audio_logits).all(-1)
+        if text_logits is None:
+            text_tok = torch.full((len(slots),), ids.pad, dtype=torch.long, device=dev)
+        else:
+            bad |= ~audio_mode & ~torch.isfinite(text_logits).all(-1)
+            text_tok = sample(penalize(text_logits, self.seen_text[idx], s.repetition_penalty), s, self.generator)
+        audio_logits = audio_logits.masked_fill(self.invalid_audio, float("-inf"))
+        if self.cfg.hold_speech:
+            short = torch.tensor([len(self.streams[x].codes) < (self.streams[x].reply_codes or 0) for x in slots], device=dev)
+            audio_logits[:, ids.eosp] = torch.where(short, float("-inf"), audio_logits[:, ids.eosp])
+        audio_tok = sample(penalize(audio_logits, self.seen_audio[idx], s.repetition_penalty), s, self.generator)
+        tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)
+        self.seen_text[idx, tokens[:, 0]] = True
+        self.seen_audio[idx, tokens[:, 1]] = True
+        rows = torch.stack([tokens[:, 0], tokens[:, 1], next_mode.long(), stopped.long(), bad.long()], 1).tolist()  # the wait
+        failed = {}
+        for x, (text, audio, nxt, stop, nan) in zip(slots, rows, strict=True):
+            req = self.streams[x]
+            if nan:
+                failed[x] = f"failed: non-finite logits at step {len(req.tokens)}"
+                continue
+            req.tokens.append((text, audio))
+            req.modes.append(self.mode[x])
+            if self.mode[x] and audio != ids.eosp:
+                req.codes.append(audio)
+            req.finished = bool(stop)
+            self.mode[x] = bool(nxt)
+        return slots, tokens, failed
+
+    def _finished(self, req: Request) -> bool:
+        return req.finished or len(req.tokens) >= req.max_steps or len(req.codes) >= (req.reply_codes or 1 << 62)
+
+    def _chunks(self, slots: list[int]) -> list[tuple[Request, list[int], int]]:
+        """Each stream's chunk that is complete now: K new codes, or the last codes of a stream
+        that ends this iteration."""
+        out = []
+        for x in slots:
+            req = self.streams[x]
+            sent = sum(req.chunk_codes)
+            pending = len(req.codes) - sent
+            if pending >= self.cfg.chunk_tokens or (pending and self._finished(req)):
+                out.append((req, req.codes[sent:], sent))
+        return out
+
+    def _retire(self, slots: list[int], why: dict[int, str | None]) -> None:
+        if not slots:
+            return
+        self.engine.release(slots)
+        if self.logits is not None:
+            kept = [i for i, s in enumerate(self.logits[0]) if s not in why]
+            old_slots, text, audio = self.logits
+            self.logits = ([old_slots[i] for i in kept], None if text is None else text[kept], audio[kept]) if kept else None
+        for s in slots:
+            req = self.streams.pop(s)
+            self.mode.pop(s)
+            self._end(req, why[s])
+
+    def _end(self, req: Request, error: str | None) -> None:
+        req.error, req.finished = error, True
+        self.done.append(req)
