@@ -74,6 +74,24 @@ def test_equals_layer_step_and_writes_only_row_pos(b, g, d, kv_len, pos, splits,
 
 
 @pytest.mark.parametrize("splits", [1, 2])
+def test_each_sequence_reads_its_own_position(splits):
+    """Slots at positions 5, 200 and 0 in one launch (each its own angles, length and cache row)
+    give what each gives alone, and each writes only its own row at its own position."""
+    g, d, kv_len = 2, 32, 256
+    alone = [make(1, g, d, kv_len, pos, seed=40 + i) for i, pos in enumerate((5, 200, 0))]
+    for a in alone[1:]:  # one layer: the norms are shared
+        a["q_norm"], a["k_norm"] = alone[0]["q_norm"], alone[0]["k_norm"]
+    batch = {k: torch.cat([a[k] for a in alone]) for k in ("qkv", "cos", "sin", "pos")}
+    batch |= {k: torch.cat([a[k][:1] for a in alone]) for k in ("k_cache", "v_cache")}
+    batch |= {"q_norm": alone[0]["q_norm"], "k_norm": alone[0]["k_norm"]}
+    got = attention.launch(**batch, kv_len=kv_len, eps=EPS, splits=splits)
+    for i, a in enumerate(alone):
+        want = attention.launch(**a, kv_len=kv_len, eps=EPS, splits=splits)
+        assert torch.allclose(got[i], want[0], atol=1e-6, rtol=1e-6), i
+        assert torch.equal(batch["k_cache"][i], a["k_cache"][0]) and torch.equal(batch["v_cache"][i], a["v_cache"][0])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
 def test_rows_past_pos_do_not_count(splits):
     """Rows past pos (row pos itself included, before the write) may hold anything: NaN, huge."""
     b, g, d, kv_len, pos = 2, 4, 32, 256, 130

@@ -229,7 +229,7 @@ def engine_io(inputs=ENGINE_INPUTS) -> list[IOTensor]:
 
 def feeds(past: int, batch: int = 2, t: int = 5) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 1000, (batch, 1 if past else t))
-    return step_inputs(ids, past, t, LAYOUT, pool_ptr=1 << 32, mapping_rank=2, device=META)
+    return step_inputs(ids, range(batch), [past] * batch, [t] * batch, LAYOUT, pool_ptr=1 << 32, mapping_rank=2, device=META)
 
 
 @pytest.mark.parametrize("past", [0, 9])
@@ -262,7 +262,7 @@ def test_wrong_dtype_or_wrong_memory_is_refused():
 
 
 def test_each_sequence_owns_its_own_kv_blocks():
-    offsets = LAYOUT.block_offsets(LAYOUT.max_batch)  # [pool, batch, K/V, blocks]
+    offsets = LAYOUT.block_offsets(range(LAYOUT.max_batch))  # [pool, batch, K/V, blocks]
     assert offsets.shape == (1, LAYOUT.max_batch, 2, LAYOUT.blocks_per_seq)
     assert LAYOUT.blocks_per_seq * LAYOUT.tokens_per_block >= LAYOUT.max_seq_len
     k, v = offsets[0, :, 0], offsets[0, :, 1]
@@ -284,13 +284,22 @@ def test_step_inputs_follow_generation_session():
     assert step["host_past_key_value_lengths"].tolist() == [9, 9, 9]  # cached before this step
     assert step["host_context_lengths"].tolist() == [5, 5, 5]  # the prompt length, kept
     assert step["host_kv_cache_pool_mapping"].tolist() == [[0, n] for n in range(LAYOUT.num_layers)]
-    cpu = step_inputs(torch.ones(3, 5, dtype=torch.long), 0, 5, LAYOUT, 7, 1, torch.device("cpu"))
+    cpu = step_inputs(torch.ones(3, 5, dtype=torch.long), range(3), [0] * 3, [5] * 3, LAYOUT, 7, 1, torch.device("cpu"))
     assert cpu["position_ids"].tolist() == [0, 1, 2, 3, 4] * 3
     assert cpu["last_token_ids"].tolist() == [5, 10, 15] and cpu["sequence_length"].tolist() == [5, 5, 5]
     assert cpu["host_kv_cache_pool_mapping"].tolist() == [0] * LAYOUT.num_layers
-    later = step_inputs(torch.ones(3, 1, dtype=torch.long), 9, 5, LAYOUT, 7, 2, torch.device("cpu"))
+    later = step_inputs(torch.ones(3, 1, dtype=torch.long), range(3), [9] * 3, [5] * 3, LAYOUT, 7, 2, torch.device("cpu"))
     assert later["position_ids"].tolist() == [9, 9, 9] and later["sequence_length"].tolist() == [10, 10, 10]
     assert later["last_token_ids"].tolist() == [1, 2, 3]
+
+
+def test_a_ragged_step_gives_each_slot_its_own_length_and_blocks():
+    """In-flight batching: slots 3 and 1 step together, 9 and 4 positions cached, prompts of 5 and
+    2; each reads and writes its own blocks at its own position."""
+    got = step_inputs(torch.ones(2, 1, dtype=torch.long), [3, 1], [9, 4], [5, 2], LAYOUT, 7, 2, torch.device("cpu"))
+    assert got["position_ids"].tolist() == [9, 4] and got["sequence_length"].tolist() == [10, 5]
+    assert got["host_past_key_value_lengths"].tolist() == [9, 4] and got["host_context_lengths"].tolist() == [5, 2]
+    assert torch.equal(got["host_kv_cache_block_offsets"][0], LAYOUT.block_offsets(range(4))[0, [3, 1]])
 
 
 # --- with tensorrt_llm (and a GPU): skipped here ---------------------------------------------

@@ -14,6 +14,7 @@ silent or wrongly sized audio, fails the rule; so does a benchmark.json that bre
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -23,15 +24,19 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, report, roofline, traffic
-from workflow.detokenize import overlaps
+from workflow.detokenize import batched, overlaps
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
+from workflow.engines.slots import batch_bucket
 from workflow.errors import run_main
 from workflow.generate import Ids, Sampling
 from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, ReferenceEngine
+from workflow.serve import load
+from workflow.serve.load import LoadConfig
 from workflow.spec import load_spec
-from workflow.stream import SECONDS_PER_TOKEN, audio_seconds, check_stream, device_clock, run_stream
+from workflow.stream import SECONDS_PER_TOKEN, audio_seconds, check_stream, run_stream
+from workflow.stream import device_clock as clock_of
 from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
@@ -77,10 +82,10 @@ def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len
 def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Ids, batch: int) -> dict:
     """Warm-up, then R runs of `batch` streams decoded as one batch."""
     prompt = traffic.speech_prompt(batch, p["prompt_len"], ids, p["seed"])
-    sampling = Sampling(greedy=p["sampling"] == "greedy")
+    sampling = sampling_of(p)
     overlap = overlaps(p["vocoder"].get("overlap", True), engine.device)
     first_alone = overlap and p["vocoder"].get("first_chunk_alone", True)
-    clock = device_clock(engine.device)
+    clock = clock_of(engine.device)
     runs = []
     for i in range(p["warmup"] + p["runs"]):
         g = torch.Generator(engine.device).manual_seed(p["seed"] + i)
@@ -106,6 +111,10 @@ def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Id
         "chunk_ready_ms": runs[0].chunk_latency_ms(),
         "token_ms": runs[0].stages()["decode_step_ms"],
     }
+
+
+def sampling_of(p: dict) -> Sampling:
+    return Sampling(greedy=p["sampling"] == "greedy")
 
 
 def commit() -> str:
@@ -165,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     p = json.loads(args.params)
     meta = check_built_from(args.engine, args.ckpt)
     concurrency = sorted(p["concurrency"])
-    engine = load_engine(args.engine, max_batch=max(concurrency))
+    load_cfg = LoadConfig.from_dict(p["load"]) if p.get("load") else None
+    engine = load_engine(args.engine, max_batch=max([*concurrency, load_cfg.slots if load_cfg else 0]))
     device, spec, ids = engine.device, engine.spec, Ids.of(engine.spec)
     dtype = getattr(torch, meta["options"].dtype)
     voc = p["vocoder"]
@@ -208,7 +218,14 @@ def main(argv: list[str] | None = None) -> None:
         "text branch reads it not at all: its floor leaves it out); prefill: matmul FLOPs / measured bf16 "
         "(CPU: float32) matmul rate. FP8 prefill could run twice the bf16 rate: its floor here is the bf16 one.",
     }
+    if load_cfg:
+        bucket = functools.partial(batch_bucket, max_batch=1 << 16)
+        detok = batched(mel, vocode, device, bucket)
+        b["load"] = load.run(engine, detok, clock_of(device), load_cfg, ids, p["chunk_tokens"], sampling_of(p))
+        b["load"]["memory"] = load.slot_memory(engine, engine.defer_text_fill)
     b["summary"] = summarize(b, concurrency, p["num_tokens"])
+    if load_cfg:
+        b["summary"] |= {"streams_at_slo": b["load"]["streams_at_slo"], "ttfa_slo_ms": b["load"]["ttfa_slo_ms"]}
     b |= {
         "engine": {
             "path": str(args.engine),

@@ -190,3 +190,22 @@ def detokenizer(
     if overlaps(overlap, device):
         return Overlapped(mel, vocoder, samples_per_token, batch, device, clock, first_alone)
     return Inline(mel, vocoder, samples_per_token, batch, device, clock)
+
+
+def batched(mel: Mel, vocoder: Vocoder, device: torch.device, bucket: Callable[[int], int]) -> Callable:
+    """Serving's detokenizer: chunks of many streams, [(codes [K], codes before them)], each
+    chunk's mel at its own offset, then the vocoder once per frame count (a chunk's mel is 37 or
+    38 frames) over every chunk of it, the batch padded to bucket(n) rows (a CUDA graph each)."""
+
+    @torch.no_grad()
+    def run(chunks: list[tuple[torch.Tensor, int]]) -> None:
+        groups: dict[int, list[torch.Tensor]] = {}
+        for codes, done in chunks:
+            m = mel(codes[None].to(device), done)
+            groups.setdefault(m.shape[-1], []).append(m)
+        for group in groups.values():
+            x = torch.cat(group)
+            pad = bucket(len(x)) - len(x)
+            vocoder(torch.cat([x, x[:1].expand(pad, -1, -1)]) if pad else x)
+
+    return run

@@ -91,7 +91,39 @@ def markdown(b: dict) -> str:
         "Token ms is request-loop time per step (engine step, sampling, host work), vocoder time excluded; "
         "overlapped, a step that runs beside a chunk's vocoder shares the GPU with it.",
     ]
+    if "load" in b:
+        lines += load_markdown(b["load"])
     return "\n".join(lines) + "\n"
+
+
+def load_markdown(load: dict) -> list[str]:
+    """The load benchmark's table and its answer."""
+    c, mem = load["config"], load["memory"]
+    lines = [
+        "",
+        f"## Under load: streams per GPU at TTFA p99 <= {load['ttfa_slo_ms']:g} ms",
+        "",
+        f"**{load['streams_at_slo']} streams** held TTFA p99 <= {load['ttfa_slo_ms']:g} ms with no underrun "
+        f"(closed loop: each user hears one reply at a time and asks again when it has played). Replies "
+        f"{c['reply_seconds'][0]:g}-{c['reply_seconds'][1]:g} s of audio, prompts {c['prompt_len']} tokens, "
+        f"{c['duration_s']:g} s of arrivals per level, {mem['slots']} engine slots of "
+        f"{mem['kv_bytes_per_slot'] / 2**20:.1f} MiB each at {mem['max_seq_len']} positions"
+        + (f" ({mem['slots_fit']} would fit beside the weights)" if "slots_fit" in mem else "")
+        + f"; at most {c['prefill_tokens']} prompt tokens admitted per iteration.",
+        "",
+        "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
+        "slots in use | refused / failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in load["levels"]:
+        t = lv["ttfa_ms"]
+        what = f"closed, {lv['value']:g} users" if lv["kind"] == "closed" else f"Poisson {lv['value']:g}/s"
+        lines.append(
+            f"| {what} | {lv['offered_streams']:.0f} | {lv['requests']} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} "
+            f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
+            f"| {lv['mean_active_slots']:.1f} | {lv['refused']} / {lv['failed']} |"
+        )
+    return lines
 
 
 def plots(b: dict, out: Path) -> None:
@@ -137,4 +169,42 @@ def plots(b: dict, out: Path) -> None:
     ax2.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "concurrency.png", dpi=110)
+    plt.close(fig)
+    if "load" in b:
+        load_plots(b["load"], out, plt)
+
+
+def load_plots(load: dict, out: Path, plt) -> None:
+    """load.png (TTFA p99 and underruns against offered load), load_timeline.png (one stream)."""
+    closed = [lv for lv in load["levels"] if lv["kind"] == "closed"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [lv["offered_streams"] for lv in closed]
+    ax.plot(xs, [lv["ttfa_ms"]["p99"] for lv in closed], "o-", label="TTFA p99 (closed loop)")
+    opened = [lv for lv in load["levels"] if lv["kind"] == "open"]
+    if opened:
+        ax.plot(
+            [lv["offered_streams"] for lv in opened], [lv["ttfa_ms"]["p99"] for lv in opened], "s-", label="TTFA p99 (Poisson)"
+        )
+    ax.axhline(load["ttfa_slo_ms"], color="k", ls="--", label="SLO")
+    ax2 = ax.twinx()
+    ax2.bar(xs, [lv["underruns"] for lv in closed], width=max(xs) / 40, color="tab:red", alpha=0.4, label="underruns")
+    ax.set(xlabel="offered concurrent streams", ylabel="ms", title="Time to first audio under load")
+    ax2.set_ylabel("underruns")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "load.png", dpi=110)
+    plt.close(fig)
+    t = load.get("timeline")
+    if not t:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = range(1, len(t["chunk_ready"]) + 1)
+    ax.plot(n, [1e3 * x for x in t["chunk_ready"]], "o-", label="chunk ready")
+    ax.plot(n, [1e3 * x for x in t["chunk_due"]], "k--", label="chunk due (playback)")
+    ax.axhline(1e3 * t["admitted"], color="tab:gray", ls=":", label="admitted")
+    ax.set(xlabel="chunk", ylabel="ms after arrival", title=f"One stream under load ({t['level']:g} users)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "load_timeline.png", dpi=110)
     plt.close(fig)

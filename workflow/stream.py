@@ -81,8 +81,9 @@ class Timeline:
         return self.chunks[-1].t_ready - self.t_request
 
 
-class _Timed(Engine):
-    """Wraps an engine to stamp the end of prefill (without waiting for it: `Stamp`)."""
+class _Timed:
+    """Wraps an engine's lockstep calls (all the loop makes) to stamp the end of prefill
+    (without waiting for it: `Stamp`)."""
 
     def __init__(self, inner: Engine, stamp: Callable[[], Stamp]):
         self.inner, self.stamp, self.t_prefill = inner, stamp, None

@@ -37,13 +37,14 @@ from workflow.engines import attention, blocks, gemv
 from workflow.engines.base import Engine, merged_ids
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.engines.options import EngineOptions
-from workflow.engines.slots import Slots
+from workflow.engines.slots import Slots, batch_bucket
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_BUCKET = 128  # decode attends to the cache in steps of this many positions
 COMPILES = 64  # layer_step's compiled versions kept (torch's default, 8, is fewer than its shapes)
+COMPILED_BATCH = 4  # with `compile`, batches of more sequences run the eager layer_step (Layer.forward)
 CATCH_UP_ROWS = 16  # the deferred text branch's catch-up runs at least this many rows (a graph per power of two)
 NORMS = ("input_layernorm", "post_layernorm", "attention.q_layernorm", "attention.k_layernorm")
 
@@ -152,8 +153,12 @@ class Layer(nn.Module):
         return uses
 
     def forward(self, x: torch.Tensor, at: At, step: Callable | None = None) -> torch.Tensor:
-        """step: layer_step itself where the compiled one would recompile per shape."""
-        return (step or self.step)(x, at, (self.k_cache, self.v_cache), self.weights(), self.cfg)
+        """step: layer_step itself where the compiled one would recompile per shape: the caller
+        says so, or the batch is over COMPILED_BATCH (a serving batch takes a dozen sizes, each
+        with every attention bucket: compiles for minutes; under its CUDA graph the eager step
+        loses only the fusion of the elementwise work, a small share beside the matmuls there)."""
+        step = step or (self.step if x.shape[0] <= COMPILED_BATCH else layer_step)
+        return step(x, at, (self.k_cache, self.v_cache), self.weights(), self.cfg)
 
 
 class TorchEngine(Engine, nn.Module):
@@ -381,13 +386,6 @@ def attention_mask(pos: torch.Tensor, kv_len: int) -> torch.Tensor:
     """[B, 1, T, kv_len]: which of its row's first kv_len cached positions each token at pos
     [B, T] attends to (itself and those before it), made on the device so that a graph replays it."""
     return (torch.arange(kv_len, device=pos.device) <= pos[..., None])[:, None]
-
-
-def batch_bucket(n: int, max_batch: int) -> int:
-    """The rows a decode step of n active rows runs (one graph per bucket): n rounded up to a
-    power of two or 1.5 times one (so at most a third are padding), at most max_batch."""
-    p = 1 << (n - 1).bit_length()
-    return min(max_batch, p * 3 // 4 if n <= p * 3 // 4 and p >= 4 else p)
 
 
 def kv_bucket(length: int, max_seq_len: int) -> int:

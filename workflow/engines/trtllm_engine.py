@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch
 from workflow.engines import trtllm_model
 from workflow.engines.base import Engine, merged_ids
 from workflow.engines.options import EngineOptions
+from workflow.engines.slots import Slots
 from workflow.errors import InputError
 from workflow.spec import ModelSpec
 
@@ -145,34 +147,46 @@ class CacheLayout:
     def pool_shape(self, kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (self.max_batch * self.blocks_per_seq, self.num_layers, 2, kv_heads, self.tokens_per_block, head_size)
 
-    def block_offsets(self, batch: int) -> torch.Tensor:
-        """[1 pool, batch, K/V, blocks_per_seq] int32 offsets into the pool."""
-        blocks = torch.arange(batch * self.blocks_per_seq, dtype=torch.int32).view(batch, 1, -1)
+    def block_offsets(self, slots: Sequence[int]) -> torch.Tensor:
+        """[1 pool, len(slots), K/V, blocks_per_seq] int32 offsets into the pool: each slot's own
+        run of blocks, whichever sequences step together."""
+        first = torch.tensor(list(slots), dtype=torch.int32)[:, None] * self.blocks_per_seq
+        blocks = (first + torch.arange(self.blocks_per_seq, dtype=torch.int32)).view(len(slots), 1, -1)
         return (blocks * self.num_layers * 2 + torch.arange(2, dtype=torch.int32).view(1, 2, 1))[None]
 
 
 def step_inputs(
-    ids: torch.Tensor, past: int, prompt_len: int, layout: CacheLayout, pool_ptr: int, mapping_rank: int, device: torch.device
+    ids: torch.Tensor,
+    slots: Sequence[int],
+    past: Sequence[int],
+    prompt_len: Sequence[int],
+    layout: CacheLayout,
+    pool_ptr: int,
+    mapping_rank: int,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """Every engine input for one step: `ids` [B, T] embedding rows after `past` cached positions.
+    """Every engine input for one step: `ids` [B, T] embedding rows of the sequences in these
+    slots, after past[b] cached positions each (in-flight batching: each its own length).
 
-    past == 0 is the context phase (T = prompt_len); otherwise a generation step (T = 1)."""
+    All past 0 is the context phase (T = each prompt's length); otherwise a generation step (T = 1)."""
     b, t = ids.shape
     host = {"dtype": torch.int32}
     dev = {"dtype": torch.int32, "device": device}
-    context = past == 0
+    context = not any(past)
+    past_t = torch.tensor(list(past), **host)
     knobs = torch.full((16,), -1, dtype=torch.int64)
     knobs[0] = 1  # multi-block mode, as GenerationSession sets it
     mapping = torch.stack([torch.zeros(layout.num_layers, **host), torch.arange(layout.num_layers, **host)], 1)
-    offsets = layout.block_offsets(b)
+    offsets = layout.block_offsets(slots)
+    prompts = torch.tensor(list(prompt_len), **host)
     return {
         "input_ids": ids.reshape(-1).to(**dev),
-        "position_ids": (past + torch.arange(t, **host)).repeat(b).to(device),
+        "position_ids": (past_t[:, None] + torch.arange(t, **host)).reshape(-1).to(device),
         "last_token_ids": (torch.arange(1, b + 1, **host) * t).to(device),  # 1-based, packed
-        "context_lengths": torch.full((b,), prompt_len, **dev),
-        "host_context_lengths": torch.full((b,), prompt_len, **host),
-        "sequence_length": torch.full((b,), past + t, **dev),
-        "host_past_key_value_lengths": torch.full((b,), t if context else past, **host),
+        "context_lengths": prompts.to(device),
+        "host_context_lengths": prompts,
+        "sequence_length": (past_t + t).to(device),
+        "host_past_key_value_lengths": torch.full((b,), t, **host) if context else past_t,
         "host_request_types": torch.full((b,), 0 if context else 1, **host),
         "cache_indirection": torch.zeros((b, 1, layout.max_seq_len), **dev),
         "kv_cache_block_offsets": offsets.to(device),
@@ -222,11 +236,13 @@ class TrtllmEngine(Engine):
         self.layout = CacheLayout(self.spec.num_layers, max_batch, self.max_seq_len, t["tokens_per_block"])
         kv_shape = self.layout.pool_shape(self.spec.num_key_value_heads, self.spec.head_dim)
         self.pool = torch.zeros(kv_shape, dtype=str_dtype_to_torch(t["kv_dtype"]), device=self.device)
-        self.batch, self.prompt_len, self.length = 0, 0, 0
+        self.slots = Slots(max_batch, self.max_seq_len)  # a slot keeps its own run of pool blocks: no moves
+        self.prompt_len: dict[int, int] = {}
 
-    def _run(self, ids: torch.Tensor, past: int) -> dict[str, torch.Tensor]:
+    def _run(self, ids: torch.Tensor, slots: Sequence[int], past: Sequence[int]) -> dict[str, torch.Tensor]:
         """One enqueue on the current stream; the outputs as TensorRT shapes them."""
-        feeds = step_inputs(ids, past, self.prompt_len, self.layout, self.pool.data_ptr(), self.mapping_rank, self.device)
+        prompts = [self.prompt_len[s] for s in slots]
+        feeds = step_inputs(ids, slots, past, prompts, self.layout, self.pool.data_ptr(), self.mapping_rank, self.device)
         inputs = {t.name: feeds[t.name] for t in self.io if t.is_input and t.name in feeds}
         check_bindings(self.io, inputs)
         ctx = self.session.context
@@ -244,18 +260,19 @@ class TrtllmEngine(Engine):
         return outputs
 
     @torch.no_grad()
-    def prefill(
-        self, tokens: torch.Tensor, all_logits: bool = False, need_text: bool = True
+    def admit(
+        self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool = True, all_logits: bool = False
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The engine always computes both heads (one network); need_text only drops the text logits."""
+        """A context phase for the new sequences only; the engine always computes both heads (one
+        network), so need_text only drops the text logits."""
         b, t, _ = tokens.shape
-        if b > self.max_batch or t > self.max_seq_len:
-            raise ValueError(f"prefill of {b} x {t} exceeds the engine's limits {self.max_batch} x {self.max_seq_len}")
         if all_logits and not self.gather_context_logits:
             raise ValueError("this engine was built without gather_context_logits: no logits for every position")
-        self.batch, self.prompt_len, self.length = b, t, 0
-        out = self._run(merged_ids(tokens.to(self.device), self.spec), past=0)
-        self.length = t
+        if b != len(slots):
+            raise ValueError(f"admit: {b} prompts for {len(slots)} slots")
+        self.slots.admit(slots, t)
+        self.prompt_len |= dict.fromkeys(slots, t)
+        out = self._run(merged_ids(tokens.to(self.device), self.spec), slots, [0] * b)
         text, audio = out["logits"], out["audio_logits"]
         if self.gather_context_logits:  # one row per prompt position, sequences packed
             text, audio = text.view(b, t, -1), audio.view(b, t, -1)
@@ -264,15 +281,24 @@ class TrtllmEngine(Engine):
         return (text.float() if need_text else None), audio.float()
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, need_text: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One step; the engine always computes both heads, so need_text only drops the text logits."""
-        if tokens.shape[0] != self.batch:
-            raise ValueError(f"decode of batch {tokens.shape[0]} after a prefill of batch {self.batch}")
-        if self.length >= self.max_seq_len:
-            raise ValueError(f"sequence reached the engine's max_seq_len {self.max_seq_len}")
-        out = self._run(merged_ids(tokens.to(self.device), self.spec)[:, None], past=self.length)
-        self.length += 1
-        return (out["logits"].float() if need_text else None), out["audio_logits"].float()
+    def step(
+        self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool | Sequence[bool] = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One generation step for every active slot, each after its own cached length."""
+        rows = self.slots.rows(slots)
+        past = [self.slots.length[r] for r in rows]
+        out = self._run(merged_ids(tokens.to(self.device), self.spec)[:, None], slots, past)
+        self.slots.stepped(filled=True)
+        any_text = need_text if isinstance(need_text, bool) else any(need_text)
+        return (out["logits"].float() if any_text else None), out["audio_logits"].float()
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.slots.release(slots)  # the rows' moves need nothing here: blocks belong to slots
+        for s in slots:
+            del self.prompt_len[s]
+
+    def active(self) -> list[int]:
+        return self.slots.active()
 
 
 def load(engine_dir: str | Path, meta: dict, options: EngineOptions) -> TrtllmEngine:

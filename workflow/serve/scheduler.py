@@ -81,6 +81,7 @@ class Scheduler:
         generator: torch.Generator | None = None,
     ):
         self.engine, self.ids, self.cfg = engine, ids, cfg
+        engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)

@@ -1,0 +1,192 @@
+"""Serving: engine slots, the scheduler loop and the load benchmark, on the CPU in float32.
+
+Exactness is judged by the reference's own greedy loop run over each request alone; faults are
+injected while other streams speak, and those streams' tokens must not change."""
+
+import pytest
+import torch
+
+from workflow import traffic
+from workflow.engines import load_engine
+from workflow.engines.slots import Slots, batch_bucket
+from workflow.generate import Ids, Sampling
+from workflow.hfckpt import load_hf_state
+from workflow.reference import MossSpeechReference, greedy_reference
+from workflow.serve import load
+from workflow.serve.scheduler import Request, Scheduler, ServeConfig
+from workflow.spec import load_spec
+
+GREEDY = ServeConfig(chunk_tokens=3, prefill_tokens=64, hold_speech=False, sampling=Sampling(greedy=True))
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_hf):
+    return MossSpeechReference(load_spec(tiny_hf), load_hf_state(tiny_hf), torch.float32, "cpu")
+
+
+@pytest.fixture(params=[False, True], ids=["text_in_step", "deferred_text_fill"])
+def engine(request, tiny_engine_dir):
+    e = load_engine(tiny_engine_dir)  # 4 slots
+    e.defer_text_fill = request.param
+    return e
+
+
+def requests(ids: Ids, n: int = 7) -> list[Request]:
+    """Prompts of different lengths ending in either mode, replies of different lengths."""
+    seqs = traffic.batch(n, 40, ids, seed=61)
+    return [Request(i, seqs[i, : 16 + 3 * i], max_steps=10 + 4 * (i % 3)) for i in range(n)]
+
+
+def serve(engine, reqs: list[Request], arrive_every: int = 2, cfg: ServeConfig = GREEDY, fault=None) -> Scheduler:
+    """Submit request i at iteration arrive_every * i; iterate until all are done. fault(sched,
+    iteration) runs before each iteration."""
+    sched = Scheduler(engine, Ids.of(engine.spec), cfg)
+    it = 0
+    while it <= arrive_every * (len(reqs) - 1) or not sched.idle():
+        for i, req in enumerate(reqs):
+            if arrive_every * i == it:
+                sched.submit(req)
+        if fault:
+            fault(sched, it)
+        sched.iterate()
+        it += 1
+        assert it < 500
+    return sched
+
+
+def test_streams_joining_and_leaving_match_the_reference_alone(engine, ref):
+    """Seven requests through four slots: they join at different steps, prompts of different
+    lengths in both modes, leave after different reply lengths (slots reused, rows moved); each
+    request's tokens and modes are what the reference's greedy loop gives it alone."""
+    ids = Ids.of(engine.spec)
+    reqs = requests(ids)
+    sched = serve(engine, reqs)
+    assert all(r.error is None for r in sched.done)
+    modes = set()
+    for r in reqs:
+        want, _ = greedy_reference(ref, r.prompt, r.max_steps, ids, GREEDY.sampling.repetition_penalty)
+        assert [(t, a, m) for (t, a), m in zip(r.tokens, r.modes, strict=True)] == want, r.rid
+        modes |= set(r.modes)
+    assert modes == {True, False}  # text-mode and audio-mode streams shared steps
+
+
+def test_slots_bookkeeping_refuses_what_it_cannot_do():
+    slots = Slots(max_batch=3, max_seq_len=8)
+    assert slots.admit([2, 0], 5) == range(0, 2)
+    for bad, match in (([2], "hold a stream"), ([3], "outside 0..2"), ([1, 1], "distinct")):
+        with pytest.raises(ValueError, match=match):
+            slots.admit(bad, 4)
+    with pytest.raises(ValueError, match="does not fit a slot of 8"):
+        slots.admit([1], 9)
+    with pytest.raises(ValueError, match="not the active ones"):
+        slots.rows([2])
+    assert slots.rows([0, 2]) == [1, 0]
+    assert slots.release([2]) == [(1, 0)]  # the last row moves into the freed one
+    assert slots.row_of == {0: 0} and slots.length == [5]
+    with pytest.raises(ValueError, match="hold no stream"):
+        slots.release([2])
+    slots.stepped(filled=False)
+    slots.stepped(filled=False)
+    slots.stepped(filled=False)
+    assert slots.length == [8] and slots.filled == [5]
+    with pytest.raises(ValueError, match="reached the engine's max_seq_len 8"):
+        slots.rows([0])
+    assert [batch_bucket(n, 256) for n in (1, 2, 3, 4, 5, 7, 9, 13, 100, 200)] == [1, 2, 3, 4, 6, 8, 12, 16, 128, 256]
+    assert batch_bucket(5, 5) == 5
+
+
+def test_faults_under_load_leave_the_other_streams_unchanged(tiny_engine_dir):
+    """Refusals (an id outside the vocabulary, a reply longer than a slot, every slot busy), a
+    cancel part-way and a NaN in one stream's logits, while other streams speak: each ends
+    alone, with its reason, and the rest speak exactly what they speak without it."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    clean = serve(engine, requests(ids, 4))
+    want = {r.rid: r.tokens for r in clean.done}
+
+    reqs = requests(ids, 4)
+    oov = Request(10, reqs[0].prompt.clone(), max_steps=5)
+    oov.prompt[3, 0] = engine.spec.vocab_size + 7
+    too_long = Request(11, reqs[0].prompt, max_steps=engine.max_seq_len)
+    victim = Request(12, reqs[1].prompt, max_steps=30)
+    poisoned = Request(13, reqs[2].prompt, max_steps=30)
+    step = engine.step
+
+    def nan_in_one(slots, tokens, need_text):
+        text, audio = step(slots, tokens, need_text)
+        if poisoned.error is None and poisoned.slot in slots and len(poisoned.tokens) == 4:
+            audio[list(slots).index(poisoned.slot), 5] = float("nan")
+        return text, audio
+
+    engine.step = nan_in_one
+
+    def fault(sched, it):
+        if it == 1:
+            for bad in (oov, too_long, victim):
+                sched.submit(bad)
+        if it == 3:
+            sched.submit(poisoned)
+        if it == 6:
+            sched.cancel(victim.rid)
+            assert victim.slot not in sched.streams and victim.slot not in engine.active()
+
+    sched = serve(engine, reqs, fault=fault)
+    for r in reqs:
+        assert r.error is None and r.tokens == want[r.rid], r.rid
+    assert oov.error.startswith("refused: text id") and "outside the text vocabulary" in oov.error
+    assert too_long.error.startswith("refused: prompt 16 + reply") and "exceed a slot's" in too_long.error
+    assert victim.error == "cancelled" and len(victim.tokens) < victim.max_steps
+    assert poisoned.error == "failed: non-finite logits at step 4" and len(poisoned.tokens) == 4
+    assert not engine.active() and len(sched.done) == 8
+
+    full = Scheduler(engine, ids, ServeConfig(when_full="refuse", hold_speech=False, sampling=Sampling(greedy=True)))
+    for r in requests(ids, 5):
+        full.submit(r)
+    assert full.done[-1].error == "refused: all 4 slots are busy" and len(full.queue) == 4
+
+
+def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    prompt = traffic.speech_prompt(1, 20, ids, seed=3)[0]
+    req = Request(0, prompt, max_steps=11, reply_codes=11)
+    got: list[tuple[list[int], int]] = []
+    cfg = ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=lambda chunks: got.extend((c.tolist(), d) for c, d in chunks))
+    sched.submit(req)
+    while not sched.idle():
+        sched.iterate()
+    assert req.error is None and len(req.codes) == 11 and all(req.modes)  # hold_speech: no end-of-speech before 11
+    assert [d for _, d in got] == [0, 4, 8] and req.chunk_codes == [4, 4, 3]
+    assert [c for chunk, _ in got for c in chunk] == req.codes
+
+
+def test_underruns_count_chunks_ready_after_playback_ran_out():
+    req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1)
+    req.chunk_ready, req.chunk_codes = [1.0, 1.3, 1.9, 2.0], [5, 5, 5, 5]  # due at 1.0, 1.4, 1.8, 2.2
+    n, stalled = load.underruns(req, 0.4)
+    assert n == 1 and stalled == pytest.approx(0.1)
+    assert load.playback_end(req, 0.4) == pytest.approx(1.0 + 1.6 + 0.1)
+
+
+def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
+    """Two closed-loop levels and one Poisson level on the tiny engine: every request served,
+    its first audio timed from its arrival, and the answer the largest level within the SLO."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    cfg = load.LoadConfig(closed=(1, 3), rates=(2.0,), duration_s=1.5, reply_seconds=(0.4, 1.2), prompt_len=24, slots=4)
+    out = load.run(engine, None, __import__("time").perf_counter, cfg, ids, 5, Sampling())
+    assert [(lv["kind"], lv["value"]) for lv in out["levels"]] == [("closed", 1), ("closed", 3), ("open", 2.0)]
+    for lv in out["levels"]:
+        assert lv["served"] == lv["requests"] > 0 and lv["failed"] == lv["refused"] == 0
+        assert 0 < lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p99"] and 0 < lv["busy_fraction"] <= 1
+    ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
+    assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
+    t = out["timeline"]
+    assert t["level"] == 3 and 0 <= t["admitted"] <= t["chunk_ready"][0]
+    assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == engine.kv[:, :, 0].numel() * 4
+
+
+def test_load_config_names_an_unknown_key():
+    with pytest.raises(ValueError, match=r"benchmark\.load: unknown key"):
+        load.LoadConfig.from_dict({"closed": [4], "users": 3})

@@ -1,0 +1,256 @@
+"""The load benchmark: users arrive and listen, the scheduler serves them, the clock judges.
+
+Traffic (`LoadConfig`, the config's `benchmark.load`), from a fixed seed:
+- closed loop, N users: each listens to one reply at a time. Their first requests arrive spread
+  over one mean reply length; each later one when the user's previous reply has finished
+  playing. N is the number of streams heard at once (the offered concurrency);
+- open loop: Poisson arrivals at a rate (per second); its offered concurrency is the rate times
+  the mean reply length.
+Every reply is `reply_seconds` of audio (uniform in the range, 80 ms a code); every prompt is
+`prompt_len` tokens ending in start-of-speech. A level runs `duration_s` of arrivals, then the
+streams in flight finish; `warmup_s` of the largest closed level comes first, not recorded (it
+captures the CUDA graphs of the batch sizes and attention spans the levels meet).
+
+Figures per level, with the definitions of docs/DESIGN (shared by every result file):
+- time to first audio (TTFA): a request's arrival to its first chunk's PCM ready;
+- playback starts when the first chunk is ready; chunk i is due at t_first + i x chunk seconds,
+  and an underrun is a chunk ready after it is due (count and total stalled seconds);
+- tokens/s (codes generated), busy fraction (time the loop had work / wall time);
+- streams at the SLO: the largest closed-loop N whose TTFA p99 <= ttfa_slo_ms with no underrun
+  and no failed stream.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from workflow import traffic
+from workflow.engines.base import Engine
+from workflow.generate import Ids, Sampling
+from workflow.serve.scheduler import Detokenize, Request, Scheduler, ServeConfig
+from workflow.vocoder import SECONDS_PER_TOKEN
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    closed: tuple[int, ...] = (1, 4)  # users held, one level each
+    rates: tuple[float, ...] = ()  # open-loop arrivals per second, one level each
+    duration_s: float = 10.0  # of arrivals, per level
+    warmup_s: float = 0.0  # a first run of the largest closed level, not recorded (captures its CUDA graphs)
+    reply_seconds: tuple[float, float] = (4.0, 20.0)
+    prompt_len: int = 512
+    ttfa_slo_ms: float = 200.0
+    slots: int = 8  # the engine's slots (max_batch) for the load
+    prefill_tokens: int = 2048
+    when_full: str = "queue"
+    seed: int = 9101
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoadConfig:
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
+        tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
+        return cls(**(d | tuples))
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "n": 0}
+    q = torch.quantile(torch.tensor(xs, dtype=torch.float64), torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
+    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "n": len(xs)}
+
+
+def underruns(req: Request, chunk_s: float) -> tuple[int, float]:
+    """(chunks ready after they were due, seconds stalled) of one stream."""
+    if not req.chunk_ready:
+        return 0, 0.0
+    t0, late = req.chunk_ready[0], []
+    for i, t in enumerate(req.chunk_ready):
+        due = t0 + i * chunk_s
+        if t > due:
+            late.append(t - due)
+    return len(late), sum(late)
+
+
+def playback_end(req: Request, chunk_s: float) -> float:
+    """When the stream's last sample has played (stalls included)."""
+    _, stalled = underruns(req, chunk_s)
+    return req.chunk_ready[0] + sum(req.chunk_codes) * SECONDS_PER_TOKEN + stalled
+
+
+class Level:
+    """One offered load, run in real time against the scheduler."""
+
+    def __init__(self, cfg: LoadConfig, kind: str, value: float, ids: Ids, g: torch.Generator):
+        self.cfg, self.kind, self.value, self.ids, self.g = cfg, kind, value, ids, g
+        lo, hi = cfg.reply_seconds
+        self.mean_reply_s = (lo + hi) / 2
+        self.rid = 0
+
+    def new_request(self, t: float) -> Request:
+        lo, hi = self.cfg.reply_seconds
+        seconds = lo + (hi - lo) * float(torch.rand(1, generator=self.g))
+        codes = max(1, round(seconds / SECONDS_PER_TOKEN))
+        prompt = traffic.speech_prompt(
+            1, self.cfg.prompt_len, self.ids, seed=int(torch.randint(1 << 30, (1,), generator=self.g))
+        )[0]
+        self.rid += 1
+        return Request(self.rid, prompt, max_steps=codes, reply_codes=codes, t_arrival=t)
+
+    def first_arrivals(self) -> list[float]:
+        """Offsets (seconds) of the first requests."""
+        if self.kind == "closed":
+            return sorted(float(x) * self.mean_reply_s for x in torch.rand(int(self.value), generator=self.g))
+        gaps = torch.empty(int(self.value * self.cfg.duration_s * 2) + 16).exponential_(generator=self.g) / self.value
+        times = torch.cumsum(gaps, 0)
+        return [float(t) for t in times if t < self.cfg.duration_s]
+
+
+def run_level(
+    engine: Engine,
+    detokenize: Detokenize | None,
+    clock: Callable[[], float],
+    level: Level,
+    chunk_tokens: int,
+    sampling: Sampling,
+    progress: bool = True,
+) -> tuple[dict, list[Request]]:
+    cfg = level.cfg
+    serve = ServeConfig(chunk_tokens, cfg.prefill_tokens, cfg.when_full, True, sampling)
+    sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
+    chunk_s = chunk_tokens * SECONDS_PER_TOKEN
+    t0 = clock()
+    pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
+    end = t0 + cfg.duration_s
+    busy, active_sum, iterations, seen, last_print = 0.0, 0, 0, 0, t0
+    while pending or not sched.idle():
+        now = clock()
+        while pending and pending[0] <= now:
+            sched.submit(level.new_request(pending.pop(0)))
+        if sched.idle():
+            time.sleep(max(0.0, min(pending[0] - clock(), 0.05)) if pending else 0.0)
+            continue
+        t_iter = clock()
+        sched.iterate()
+        busy += clock() - t_iter
+        iterations += 1
+        active_sum += len(sched.streams)
+        if level.kind == "closed":  # a user whose reply has played asks again
+            for req in sched.done[seen:]:
+                t_next = playback_end(req, chunk_s) if req.chunk_ready else clock()
+                if t_next < end:
+                    pending.append(t_next)
+            seen = len(sched.done)
+            pending.sort()
+        if progress and clock() - last_print > 2.0:
+            last_print = clock()
+            print(
+                f"  load {level.kind} {level.value:g}: {last_print - t0:5.1f} s, {len(sched.streams)} speaking, "
+                f"{len(sched.queue)} queued, {len(sched.done)} done",
+                file=sys.stderr,
+            )
+    wall = clock() - t0
+    done = sched.done
+    served = [r for r in done if r.error is None]
+    ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
+    runs = [underruns(r, chunk_s) for r in served]
+    offered = level.value if level.kind == "closed" else level.value * level.mean_reply_s
+    return {
+        "kind": level.kind,
+        "value": level.value,
+        "offered_streams": offered,
+        "requests": len(done),
+        "served": len(served),
+        "refused": sum(r.error is not None and r.error.startswith("refused") for r in done),
+        "failed": sum(r.error is not None and not r.error.startswith("refused") for r in done),
+        "ttfa_ms": percentiles(ttfa),
+        "underruns": sum(n for n, _ in runs),
+        "stalled_s": sum(s for _, s in runs),
+        "tokens_per_s": sum(len(r.codes) for r in done) / wall,
+        "busy_fraction": busy / wall,
+        "mean_active_slots": active_sum / max(1, iterations),
+        "iterations": iterations,
+        "wall_s": wall,
+    }, done
+
+
+def timeline(req: Request, chunk_s: float) -> dict:
+    """One stream under load: when it arrived, was admitted, and each chunk ready against due (s)."""
+    t0 = req.t_arrival
+    first = req.chunk_ready[0]
+    return {
+        "arrival": 0.0,
+        "admitted": req.t_admit - t0,
+        "chunk_ready": [t - t0 for t in req.chunk_ready],
+        "chunk_due": [first - t0 + i * chunk_s for i in range(len(req.chunk_ready))],
+    }
+
+
+def run(
+    engine: Engine,
+    detokenize: Detokenize | None,
+    clock: Callable[[], float],
+    cfg: LoadConfig,
+    ids: Ids,
+    chunk_tokens: int,
+    sampling: Sampling,
+) -> dict:
+    """Every level, one after another; the answer and one stream's timeline."""
+    levels, example = [], None
+    if cfg.warmup_s and cfg.closed:
+        warm = LoadConfig(**(cfg.__dict__ | {"duration_s": cfg.warmup_s}))
+        level = Level(warm, "closed", max(cfg.closed), ids, torch.Generator().manual_seed(cfg.seed - 1))
+        run_level(engine, detokenize, clock, level, chunk_tokens, sampling)
+    for kind, values in (("closed", cfg.closed), ("open", cfg.rates)):
+        for value in values:
+            g = torch.Generator().manual_seed(cfg.seed + len(levels))
+            result, done = run_level(engine, detokenize, clock, Level(cfg, kind, value, ids, g), chunk_tokens, sampling)
+            levels.append(result)
+            print(
+                f"load {kind} {value:g}: TTFA p99 {result['ttfa_ms']['p99']:.1f} ms, {result['underruns']} underruns, "
+                f"{result['tokens_per_s']:.0f} codes/s, busy {result['busy_fraction']:.2f}",
+                file=sys.stderr,
+            )
+            served = [r for r in done if r.error is None and r.chunk_ready]
+            if served and kind == "closed":  # the latest closed level's stream arriving nearest its middle
+                mid = served[0].t_arrival + cfg.duration_s / 2
+                example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), chunk_tokens * SECONDS_PER_TOKEN)
+                example["level"] = value
+    ok = [
+        lv["value"]
+        for lv in levels
+        if lv["kind"] == "closed" and lv["ttfa_ms"]["p99"] <= cfg.ttfa_slo_ms and not lv["underruns"] and not lv["failed"]
+    ]
+    return {
+        "config": cfg.__dict__,
+        "levels": levels,
+        "ttfa_slo_ms": cfg.ttfa_slo_ms,
+        "streams_at_slo": max(ok, default=0),
+        "timeline": example,
+    }
+
+
+def slot_memory(engine: Engine, defer_text_fill: bool) -> dict:
+    """KV bytes a slot holds at max_seq_len (every layer's K and V, and with defer_text_fill the
+    trunk outputs held for the text branch), and how many slots fit in the device's memory
+    beside the weights (CUDA: 90 % of it, the rest left to activations and graphs)."""
+    spec, kv = engine.spec, getattr(engine, "kv", None)
+    itemsize = kv.element_size() if kv is not None else 2
+    per_token = spec.num_layers * 2 * spec.num_key_value_heads * spec.head_dim * itemsize
+    per_token += spec.hidden_size * itemsize if defer_text_fill else 0
+    slot = per_token * engine.max_seq_len
+    out = {"kv_bytes_per_slot": slot, "max_seq_len": engine.max_seq_len, "slots": engine.max_batch}
+    if engine.device.type == "cuda" and kv is not None:
+        total = torch.cuda.get_device_properties(engine.device).total_memory
+        held = getattr(engine, "held", None)
+        caches = kv.numel() * itemsize + (held.numel() * held.element_size() if held is not None else 0)
+        weights = torch.cuda.memory_allocated(engine.device) - caches
+        out |= {"weights_bytes": weights, "slots_fit": int((0.9 * total - weights) // slot)}
+    return out
