@@ -27,6 +27,7 @@ GOALS = [  # (figure, comparison, limit, what the issue asks)
     ("rtf.fp8", "<=", 0.08, "RTF <= 0.08 for one stream (FP8)"),
 ]
 STREAMS_GOAL = {"H200": 32, "H100": 24}  # concurrent streams at RTF < 1 on one GPU of that kind
+SLO_GOAL = {"H200": 128}  # streams served at TTFA p99 <= ttfa_slo_ms with no underrun (serving, benchmark.load)
 
 
 def figure(summary: dict, path: str) -> float | None:
@@ -92,6 +93,9 @@ def main() -> None:
             for p, c in checks.items()
         },
     }
+    if all("streams_at_slo" in r["summary"] for r in runs.values()):  # runs with the load benchmark
+        s["streams_at_slo"] = per("streams_at_slo")
+        s["ttfa_slo_ms"] = runs[ran[0]]["summary"]["ttfa_slo_ms"]
     if len(runs) == 2:
         step = s.get("decode_step_amortized_ms", s["decode_step_ms"])  # a reply's steps, the text catch-up spread over them
         s["fp8_decode_speedup"] = step["bf16"] / step["fp8"]
@@ -100,6 +104,9 @@ def main() -> None:
     kind = next((k for k in STREAMS_GOAL if k in s["gpu"]), None)
     limit = STREAMS_GOAL.get(kind, 0)
     streams = [("max_streams_rtf_below_1.fp8", ">=", limit, f">= {limit} streams at RTF < 1 on one {kind}")] if kind else []
+    if kind in SLO_GOAL and "streams_at_slo" in s:
+        n, slo = SLO_GOAL[kind], s["ttfa_slo_ms"]
+        streams += [(f"streams_at_slo.{p}", ">=", n, f">= {n} streams at TTFA p99 <= {slo:g} ms ({p})") for p in ran]
     for path, op, limit, text in GOALS + streams:
         got = figure(s, path)
         met = None if got is None else got <= limit if op == "<=" else got >= limit

@@ -23,7 +23,9 @@ export PYTHONPATH=/tmp/site
 : "${MOSSBUILD_COMMIT:?set MOSSBUILD_COMMIT: the GPU copy has no .git}"
 export MOSSBUILD_COMMIT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-run() { timeout "${MOSSBUILD_STAGE_S:-560}" python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
+# a call the device tool killed leaves Snakemake's lock behind: the next call lifts it first
+run() { python3 -m snakemake --configfile config/full.yaml "$@" --unlock > /dev/null 2>&1 || true
+        timeout "${MOSSBUILD_STAGE_S:-560}" python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
 case $stage in
     fp8-calibrate) run --config engine='{precision: fp8}' --until calibrate ;;
     fp8) run --config engine='{precision: fp8}' ;;

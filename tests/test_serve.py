@@ -184,7 +184,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
     t = out["timeline"]
     assert t["level"] == 3 and 0 <= t["admitted"] <= t["chunk_ready"][0]
-    assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == engine.kv[:, :, 0].numel() * 4
+    assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
 
 
 def test_load_config_names_an_unknown_key():

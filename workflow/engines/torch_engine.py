@@ -216,13 +216,9 @@ class TorchEngine(Engine, nn.Module):
         self.cos, self.sin = angles.cos(), angles.sin()
         self.positions = torch.arange(options.max_seq_len, device=dev)  # persistent: graphs read it
         self.row_ids = torch.arange(options.max_batch, device=dev)[:, None]
-        # every layer's K and V caches, one tensor: a released row is refilled by one copy
-        self.kv = torch.zeros(
-            spec.num_layers, 2, options.max_batch, spec.num_key_value_heads, options.max_seq_len, spec.head_dim,
-            dtype=dt, device=dev,
-        )  # fmt: skip
-        for n, layer in enumerate(self.layers):
-            layer.k_cache, layer.v_cache = self.kv[n, 0], self.kv[n, 1]
+        for layer in self.layers:  # a tensor each: one compiled step mutating two views of one base would alias
+            shape = (options.max_batch, spec.num_key_value_heads, options.max_seq_len, spec.head_dim)
+            layer.k_cache, layer.v_cache = torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev)
         self.slots = Slots(options.max_batch, options.max_seq_len)
         self.pos = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)  # each row's next position
         self.admit_rows = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)  # the admit graphs' input
@@ -351,7 +347,8 @@ class TorchEngine(Engine, nn.Module):
 
     def release(self, slots: Sequence[int]) -> None:
         for src, dst in self.slots.release(slots):
-            self.kv[:, :, dst].copy_(self.kv[:, :, src])
+            for cache in self.caches():
+                cache[dst].copy_(cache[src])
             self.pos[dst] = self.pos[src]
             if self.held is not None:
                 self.held[dst].copy_(self.held[src])
@@ -359,6 +356,10 @@ class TorchEngine(Engine, nn.Module):
 
     def active(self) -> list[int]:
         return self.slots.active()
+
+    def caches(self) -> list[torch.Tensor]:
+        """Every layer's K and V cache, [max_batch, kv heads, max_seq_len, head_dim] each."""
+        return [c for layer in self.layers for c in (layer.k_cache, layer.v_cache)]
 
     def _run(self, tokens: torch.Tensor, key: tuple, fn: Callable[[torch.Tensor], tuple]) -> tuple:
         """fn(tokens on the device), replayed on CUDA from a graph per (tokens' shape, key). Host
