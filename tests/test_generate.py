@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workflow.engines.base import Engine, merged_ids
+from workflow.engines.base import merged_ids
 from workflow.generate import Ids, Sampling, advance, audio_mode_after, generate, penalize, sample
 from workflow.spec import PRESETS
 
@@ -12,8 +12,9 @@ IDS = Ids.of(SPEC)
 V, VA = SPEC.vocab_size, SPEC.audio_vocab_size
 
 
-class Scripted(Engine):
-    """Emits a scripted (text, audio) argmax per step; records what it was fed."""
+class Scripted:
+    """Emits a scripted (text, audio) argmax per step; records what it was fed. The loop makes
+    only an engine's lockstep calls (prefill, decode), so that is all it has."""
 
     def __init__(self, script: list[tuple[int, int]]):
         self.spec, self.device, self.max_batch, self.max_seq_len = SPEC, torch.device("cpu"), 1, 1 << 20

@@ -159,7 +159,12 @@ def test_benchmark_json_keeps_its_schema_and_plots(chain):
     assert bench["settings"]["vocoder"]["overlap"] is True
     assert {r["overlap"] for per_n in bench["streams"].values() for r in per_n.values()} == {False}
     assert "Detokenizer: in line with decoding" in (out / "benchmark.md").read_text()
-    for png in ("timeline.png", "latency_cdf.png", "concurrency.png"):
+    load = bench["load"]  # the serving benchmark of the tiny default: two closed-loop levels
+    assert [(lv["kind"], lv["value"]) for lv in load["levels"]] == [("closed", 2), ("closed", 8)]
+    assert all(lv["served"] == lv["requests"] > 0 for lv in load["levels"])
+    assert bench["summary"]["streams_at_slo"] == load["streams_at_slo"] and bench["summary"]["ttfa_slo_ms"] == 200
+    assert "## Under load: streams per GPU at TTFA p99 <= 200 ms" in (out / "benchmark.md").read_text()
+    for png in ("timeline.png", "latency_cdf.png", "concurrency.png", "load.png", "load_timeline.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     del bench["summary"]["rtf"]
     with pytest.raises(InputError, match=r"summary.*'rtf' is a required property"):
@@ -222,7 +227,7 @@ def test_report_holds_the_verify_and_benchmark_tables_and_the_plots(chain, tmp_p
         plot.unlink()
     assert r.returncode == 0, r.stderr[-2000:]
     added = set(re.findall(r"Adding (\S+) \(", r.stdout + r.stderr))
-    plots = {"timeline.png", "latency_cdf.png", "concurrency.png"}  # the benchmark's own
+    plots = {"timeline.png", "latency_cdf.png", "concurrency.png", "load.png", "load_timeline.png"}  # the benchmark's own
     assert added == {"verify.html", "benchmark.html", "tokens.png"} | plots
     html = (tmp_path / "report.html").read_text()
     assert "verify.html" in html and "benchmark.html" in html and "tokens.png" in html

@@ -164,14 +164,19 @@ def plots(b: dict, out: Path) -> None:
     ax2 = ax.twinx()
     ax2.plot(ns, [b["streams"]["engine"][str(n)]["ttfa_ms"]["p50"] for n in ns], "s:", color="tab:orange", label="TTFA p50 (ms)")
     ax.set(xscale="log", xlabel="concurrent streams (one batch)", ylabel="RTF", title="Concurrency")
-    ax2.set_ylabel("time to first audio, ms")
+    _save_twin(plt, fig, ax, ax2, "time to first audio, ms", out / "concurrency.png")
+    if "load" in b:
+        load_plots(b["load"], out, plt)
+
+
+def _save_twin(plt, fig, ax, ax2, right_label: str, path: Path) -> None:
+    """A plot with a second y axis: its label, both legends, written to path."""
+    ax2.set_ylabel(right_label)
     ax.legend(loc="upper left", fontsize=7)
     ax2.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "concurrency.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    if "load" in b:
-        load_plots(b["load"], out, plt)
 
 
 def load_plots(load: dict, out: Path, plt) -> None:
@@ -189,12 +194,7 @@ def load_plots(load: dict, out: Path, plt) -> None:
     ax2 = ax.twinx()
     ax2.bar(xs, [lv["underruns"] for lv in closed], width=max(xs) / 40, color="tab:red", alpha=0.4, label="underruns")
     ax.set(xlabel="offered concurrent streams", ylabel="ms", title="Time to first audio under load")
-    ax2.set_ylabel("underruns")
-    ax.legend(loc="upper left", fontsize=7)
-    ax2.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "load.png", dpi=110)
-    plt.close(fig)
+    _save_twin(plt, fig, ax, ax2, "underruns", out / "load.png")
     t = load.get("timeline")
     if not t:
         return
