@@ -1,13 +1,16 @@
-"""Our PyTorch engine: reads the TensorRT-LLM checkpoint, three static KV caches, two heads.
+"""Our PyTorch engine: reads the TensorRT-LLM checkpoint, KV caches in max_batch slots, two heads.
 
-gpt-fast in spirit: plain modules, static cache buffers (prefill writes positions 0..T-1 as a
-slice, decode with index_copy_), masks derived on the device from the positions, no host syncs
-in a step. Layers 0..S-1 are the trunk, then the text branch, then the audio branch; each layer
-owns its cache, so branches cannot alias. On CUDA each decode step is replayed from a CUDA
-graph (one per batch size, text-head need and attention bucket); decode attends to the first
-`kv_len` cached positions, a multiple of KV_BUCKET just past the sequence, rather than to the
-whole cache. A layer is a pure function of its tensors (`layer_step`), so that with `compile`
-one torch.compile'd version of it, with the elementwise work between the matmuls fused, serves
+gpt-fast in spirit: plain modules, static cache buffers, masks derived on the device from the
+positions, no host syncs in a step. The caches hold `max_batch` slots (`slots.Slots`): admit
+prefills new streams into free rows, step advances rows 0..n-1 together, each at its own
+position (its rope angles, its keys written at (row, position), its own attention mask), and a
+release refills the freed row with the last one. Layers 0..S-1 are the trunk, then the text
+branch, then the audio branch; each layer owns its K and V caches, a tensor each, so neither
+branches nor K and V can alias. On CUDA every step is replayed from a CUDA graph (one per row
+bucket, text-head need and attention bucket); decode attends to the first `kv_len` cached
+positions, a multiple of KV_BUCKET just past the longest sequence, rather than to the whole
+cache. A layer is a pure function of its tensors (`layer_step`), so that with `compile` one
+torch.compile'd version of it, with the elementwise work between the matmuls fused, serves
 every layer. With `gemv` and `decode_attention`, decode goes through our Triton kernels
 (workflow.engines.gemv, .attention): the matmuls with their norms and residual adds, and the
 whole attention, each one kernel; linears.py holds the linear layers and `project`, which picks
@@ -17,8 +20,9 @@ With `defer_text_fill`, an audio-mode step runs no text branch at all (its only 
 to fill that branch's KV cache: the text logits are never read, FACTS.md 1); it keeps the
 trunk's output, and the next step that needs text first runs the text branch over every
 position owed, at once, like a prefill continuing the cache: one read of the branch's weights
-(1.5 GB in bf16) per spoken reply instead of one per audio step. Every logit the loop reads is
-the same function; only when the text cache is filled changes.
+(1.5 GB in bf16) per spoken reply instead of one per audio step; each row keeps its own count of
+positions filled. Every logit the loop reads is the same function; only when the text cache is
+filled changes.
 """
 
 from __future__ import annotations
@@ -269,14 +273,12 @@ class TorchEngine(Engine, nn.Module):
         return x
 
     def _catch_up_text(self, b: int) -> None:
-        """The text branch over every position audio-mode steps left it, in rows 0..b-1, at once,
-        as a prefill continuing each row's cache: one read of its weights for them all. Each row
-        runs R positions from its first owed one, R a power of two (at least CATCH_UP_ROWS) >= the
-        most any row owes; positions past a row's length (clamped to the cache: a clamped one
-        repeats the same work) write cache entries no one reads before a later step writes
-        them. So on CUDA a graph per (rows, R, attention bucket) replays it: run eagerly, its
-        ~250 small ops cost the host milliseconds. Eager `layer_step` under the graph: a compile
-        per shape would cost seconds."""
+        """The text branch over every position audio-mode steps left it, in rows 0..b-1, at once:
+        one read of its weights for them all. Each row runs R positions from its first owed one
+        (R a power of two, >= CATCH_UP_ROWS and the most any row owes); positions past a row's
+        length (clamped to the cache) write entries no one reads before a step writes them. On
+        CUDA a graph per (rows, R, attention bucket) replays it (eager, its ~250 small ops cost
+        the host milliseconds), with the eager `layer_step`: a compile per shape costs seconds."""
         slots = self.slots
         owed = max(n - f for n, f in zip(slots.length, slots.filled, strict=True))
         if owed == 0:
