@@ -32,6 +32,7 @@ from workflow.errors import run_main
 from workflow.generate import Ids, Sampling
 from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, ReferenceEngine
+from workflow.report import percentiles
 from workflow.serve import load
 from workflow.serve.load import LoadConfig
 from workflow.spec import ModelSpec, load_spec
@@ -41,12 +42,6 @@ from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
 SCHEMA = Path(__file__).with_name("benchmark.schema.json")
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    t = torch.tensor(xs, dtype=torch.float64)
-    q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
-    return {"p50": q[0], "p90": q[1], "p99": q[2], "mean": float(t.mean()), "n": len(xs)}
 
 
 def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len: int = 0) -> dict:

@@ -8,6 +8,17 @@ from pathlib import Path
 from workflow.errors import InputError
 
 
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """p50, p90, p99, mean and count of timings (NaN where there are none)."""
+    import torch
+
+    if not xs:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan"), "n": 0}
+    t = torch.tensor(xs, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"p50": q[0], "p90": q[1], "p99": q[2], "mean": float(t.mean()), "n": len(xs)}
+
+
 def check_schema(b: dict, schema_path: Path) -> None:
     """benchmark.json must match its schema: a figure that goes missing fails the rule."""
     import jsonschema

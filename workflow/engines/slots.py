@@ -30,9 +30,6 @@ class Slots:
         """The active slots, in row order."""
         return list(self.slot_at)
 
-    def free(self) -> list[int]:
-        return [s for s in range(self.max_batch) if s not in self.row_of]
-
     def admit(self, slots: Sequence[int], prompt_len: int) -> range:
         """Rows for new streams of `prompt_len` positions in these free slots."""
         if len(set(slots)) != len(slots) or not slots:

@@ -22,7 +22,6 @@ Figures per level, with the definitions of docs/DESIGN (shared by every result f
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch
 from workflow import traffic
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
+from workflow.report import percentiles
 from workflow.serve.scheduler import Detokenize, Request, Scheduler, ServeConfig
 from workflow.vocoder import SECONDS_PER_TOKEN
 
@@ -58,13 +58,6 @@ class LoadConfig:
             raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
         tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
         return cls(**(d | tuples))
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "n": 0}
-    q = torch.quantile(torch.tensor(xs, dtype=torch.float64), torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
-    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "n": len(xs)}
 
 
 def underruns(req: Request, chunk_s: float) -> tuple[int, float]:
