@@ -70,6 +70,12 @@ def _stop_ids(ids: Ids, device: torch.device) -> torch.Tensor:
     return torch.tensor(ids.stop, device=device)
 
 
+@functools.cache
+def _padding_rows(ids: Ids, size: int, device: torch.device) -> torch.Tensor:
+    """[size] bool: the audio head's rows past end-of-speech, made once, not at every step."""
+    return torch.arange(size, device=device) > ids.eosp
+
+
 def advance(
     text_tok: torch.Tensor, audio_tok: torch.Tensor, audio_mode: torch.Tensor, ids: Ids
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,6 +127,30 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None 
     return order.gather(-1, (probs / race).argmax(-1, keepdim=True)).squeeze(-1)
 
 
+def sample_step(
+    text_logits: torch.Tensor | None,
+    audio_logits: torch.Tensor,
+    seen_text: torch.Tensor,
+    seen_audio: torch.Tensor,
+    hold_eosp: torch.Tensor | None,
+    ids: Ids,
+    s: Sampling,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's sampled (text id [B], audio id [B]), before `advance`: each head with the
+    repetition penalty over the ids its channel has carried (seen_*), the audio head over the
+    real codes and end-of-speech only (its padding rows are never sampled), end-of-speech held
+    back where hold_eosp [B] is set; no text logits (every sequence in audio mode): modality_pad."""
+    if text_logits is None:
+        text_tok = torch.full(audio_logits.shape[:1], ids.pad, dtype=torch.long, device=audio_logits.device)
+    else:
+        text_tok = sample(penalize(text_logits, seen_text, s.repetition_penalty), s, generator)
+    audio_logits = audio_logits.masked_fill(_padding_rows(ids, audio_logits.shape[-1], audio_logits.device), float("-inf"))
+    if hold_eosp is not None:
+        audio_logits[:, ids.eosp] = torch.where(hold_eosp, float("-inf"), audio_logits[:, ids.eosp])
+    return text_tok, sample(penalize(audio_logits, seen_audio, s.repetition_penalty), s, generator)
+
+
 @dataclass
 class Generation:
     """What a generate() call produced, per sequence."""
@@ -168,20 +198,13 @@ def generate(
     text_logits, audio_logits = engine.prefill(prompt, need_text=not skip_text_head or not all(mode_now))
     seen_text = torch.zeros(b, v_text, dtype=torch.bool, device=device).scatter_(1, prompt[..., 0], True)
     seen_audio = torch.zeros(b, v_audio, dtype=torch.bool, device=device).scatter_(1, prompt[..., 1], True)
-    invalid_audio = torch.arange(v_audio, device=device) > ids.eosp  # padding rows of the audio head
     run = torch.zeros(b, dtype=torch.long, device=device)  # codes in the current audio segment
     done = [False] * b
     stopped_at: list[int | None] = [None] * b
     out_tokens, out_modes = [], []
     for step in range(max_new_tokens):
-        if text_logits is None:
-            text_tok = torch.full((b,), ids.pad, dtype=torch.long, device=device)
-        else:
-            text_tok = sample(penalize(text_logits, seen_text, sampling.repetition_penalty), sampling, generator)
-        audio_logits = audio_logits.masked_fill(invalid_audio, float("-inf"))
-        if min_speech_tokens:
-            audio_logits[:, ids.eosp] = torch.where(run < min_speech_tokens, float("-inf"), audio_logits[:, ids.eosp])
-        audio_tok = sample(penalize(audio_logits, seen_audio, sampling.repetition_penalty), sampling, generator)
+        hold = run < min_speech_tokens if min_speech_tokens else None
+        text_tok, audio_tok = sample_step(text_logits, audio_logits, seen_text, seen_audio, hold, ids, sampling, generator)
         if step in force_switch_at:
             text_tok, audio_tok = force_switch(text_tok, audio_tok, audio_mode, ids)
         tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)

@@ -41,6 +41,11 @@ def merged_ids(tokens: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return torch.where(text == spec.modality_pad_token_id, spec.vocab_size + audio, text)
 
 
+def any_text(need_text: bool | Sequence[bool]) -> bool:
+    """Whether a step's text head runs: some slot needs its logits."""
+    return need_text if isinstance(need_text, bool) else any(need_text)
+
+
 class Engine(ABC):
     """A built engine with its KV caches; see the module docstring."""
 

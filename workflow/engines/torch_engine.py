@@ -38,7 +38,7 @@ from torch import nn
 from workflow import trtckpt
 from workflow.cudagraphs import Graphs
 from workflow.engines import attention, blocks, gemv
-from workflow.engines.base import Engine, merged_ids
+from workflow.engines.base import Engine, any_text, merged_ids
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.engines.options import EngineOptions
 from workflow.engines.slots import Slots, batch_bucket
@@ -322,11 +322,11 @@ class TorchEngine(Engine, nn.Module):
         rows = self.slots.rows(slots)
         if not rows:
             raise ValueError("step: no active slot")
-        any_text = need_text if isinstance(need_text, bool) else any(need_text)
+        text_head = any_text(need_text)
         n = self.slots.n
         b = batch_bucket(n, self.max_batch)
         kv_len = kv_bucket(max(self.slots.length) + 1, self.max_seq_len)
-        hold = self.defer_text_fill and not any_text
+        hold = self.defer_text_fill and not text_head
         if not hold:
             self._catch_up_text(b)
         elif self.held is None:  # outside any graph: those that hold read this one buffer
@@ -337,9 +337,9 @@ class TorchEngine(Engine, nn.Module):
             by_row = tokens.new_zeros(b, 2).index_copy_(0, torch.tensor(rows, device=tokens.device), tokens)
 
         def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return self.forward_tokens(static, self.at(self.pos[:b], self.row_ids[:b], kv_len), any_text, False, hold)
+            return self.forward_tokens(static, self.at(self.pos[:b], self.row_ids[:b], kv_len), text_head, False, hold)
 
-        text, audio = self._run(by_row[:, None], ("step", any_text, kv_len, hold), run)
+        text, audio = self._run(by_row[:, None], ("step", text_head, kv_len, hold), run)
         self.pos[:n] += 1
         self.slots.stepped(filled=not hold)
         if order is not None or b != n:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from workflow.engines import trtllm_model
-from workflow.engines.base import Engine, merged_ids
+from workflow.engines.base import Engine, any_text, merged_ids
 from workflow.engines.options import EngineOptions
 from workflow.engines.slots import Slots
 from workflow.errors import InputError
@@ -289,8 +289,7 @@ class TrtllmEngine(Engine):
         past = [self.slots.length[r] for r in rows]
         out = self._run(merged_ids(tokens.to(self.device), self.spec)[:, None], slots, past)
         self.slots.stepped(filled=True)
-        any_text = need_text if isinstance(need_text, bool) else any(need_text)
-        return (out["logits"].float() if any_text else None), out["audio_logits"].float()
+        return (out["logits"].float() if any_text(need_text) else None), out["audio_logits"].float()
 
     def release(self, slots: Sequence[int]) -> None:
         self.slots.release(slots)  # the rows' moves need nothing here: blocks belong to slots

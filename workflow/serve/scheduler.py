@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workflow.engines.base import Engine
-from workflow.generate import Ids, Sampling, advance, audio_mode_after, penalize, sample
+from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
 
 Detokenize = Callable[[list[tuple[torch.Tensor, int]]], None]  # [(codes [K], codes before them)], run in order
 
@@ -86,7 +86,6 @@ class Scheduler:
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
-        self.invalid_audio = torch.arange(spec.audio_vocab_size, device=dev) > ids.eosp
         self.queue: deque[Request] = deque()
         self.streams: dict[int, Request] = {}  # slot -> request
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
@@ -203,16 +202,13 @@ class Scheduler:
         idx = torch.tensor(slots, device=dev)
         audio_mode = torch.tensor([self.mode[x] for x in slots], device=dev)
         bad = ~torch.isfinite(audio_logits).all(-1)
-        if text_logits is None:
-            text_tok = torch.full((len(slots),), ids.pad, dtype=torch.long, device=dev)
-        else:
+        if text_logits is not None:
             bad |= ~audio_mode & ~torch.isfinite(text_logits).all(-1)
-            text_tok = sample(penalize(text_logits, self.seen_text[idx], s.repetition_penalty), s, self.generator)
-        audio_logits = audio_logits.masked_fill(self.invalid_audio, float("-inf"))
+        hold = None
         if self.cfg.hold_speech:
-            short = torch.tensor([len(self.streams[x].codes) < (self.streams[x].reply_codes or 0) for x in slots], device=dev)
-            audio_logits[:, ids.eosp] = torch.where(short, float("-inf"), audio_logits[:, ids.eosp])
-        audio_tok = sample(penalize(audio_logits, self.seen_audio[idx], s.repetition_penalty), s, self.generator)
+            hold = torch.tensor([len(self.streams[x].codes) < (self.streams[x].reply_codes or 0) for x in slots], device=dev)
+        seen = self.seen_text[idx], self.seen_audio[idx]
+        text_tok, audio_tok = sample_step(text_logits, audio_logits, *seen, hold, ids, s, self.generator)
         tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)
         self.seen_text[idx, tokens[:, 0]] = True
         self.seen_audio[idx, tokens[:, 1]] = True
