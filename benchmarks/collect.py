@@ -57,8 +57,8 @@ def main() -> None:
     with open(args.calibrate_tsv) as f:
         calib_s = float(next(csv.DictReader(f, delimiter="\t"))["s"])
 
-    def per(key: str) -> dict:
-        return {p: runs[p]["summary"][key] for p in runs}
+    def per(key: str) -> dict:  # None where a run lacks it (the fp8 run leaves the eager baseline to bf16)
+        return {p: runs[p]["summary"].get(key) for p in runs}
 
     has_catch_up = all("decode_step_amortized_ms" in r["summary"] for r in runs.values())  # runs since the deferred text fill
     amortized = {k: per(k) for k in ("decode_step_amortized_ms", "text_catch_up_ms")} if has_catch_up else {}

@@ -2,21 +2,26 @@
 # The whole pipeline on the `full` preset on a lent GPU machine, in calls of under 10 minutes
 # (the device tool's limit), each run from the repository root with .whl carried:
 #
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8-calibrate  # download, convert, calibrate
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8            # build, verify, benchmark
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16           # reuses download and convert
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16 verify     # download .. verify
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16            # benchmark (load included)
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 calibrate   # reuses download and convert
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 verify      # build (tunes ~190 s), verify
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8             # benchmark
 #
+# The second argument, a rule, stops there (Snakemake's --until). The fp8 run's benchmark leaves out
+# the eager baseline: it is the same transformers model as in the bf16 run, which measures it.
 # .whl holds the wheels listed in benchmarks/gpu-wheels.txt (how they are made is said there).
-# The machine must stay warm between calls (results/ lives on it). A stage cut at its 560 s limit
-# ("snakemake exit 124": the fp8 stage's build tunes for about 190 s) is run again as it is: the
-# rules it finished are cached, so the second call runs what is left (H100 run 8 in docs/levers.md).
+# The machine must stay warm between calls (results/ lives on it). A call cut at its 560 s limit
+# ("snakemake exit 124") is run again as it is: the rules it finished are cached, so the second
+# call runs what is left (H100 run 8 in docs/levers.md).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
 # (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).
 # Each call tars the small artifacts (verify.json, benchmark.*, plots, engine.json, amax.json,
-# rule TSVs, log tails) of all of results/ into $OUT/results-<stage>.tgz; benchmarks/collect.py
-# then writes summary.json.
+# rule TSVs, log tails) of all of results/ into $OUT/results-<precision>-<rule>.tgz;
+# benchmarks/collect.py then writes summary.json.
 set -euo pipefail
-stage=$1
+precision=$1
+until=${2:-}
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
@@ -26,16 +31,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # a call the device tool killed leaves Snakemake's lock behind: the next call lifts it first
 run() { python3 -m snakemake --configfile config/full.yaml "$@" --unlock > /dev/null 2>&1 || true
         timeout "${MOSSBUILD_STAGE_S:-560}" python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
-case $stage in
-    fp8-calibrate) run --config engine='{precision: fp8}' --until calibrate ;;
-    fp8) run --config engine='{precision: fp8}' ;;
-    bf16) run ;;
-    *) echo "unknown stage $stage" >&2; exit 2 ;;
+case $precision in
+    bf16) args=() ;;
+    fp8) args=(--config engine='{precision: fp8}' benchmark='{baseline: false}') ;;
+    *) echo "unknown precision $precision (bf16 or fp8)" >&2; exit 2 ;;
 esac
+run "${args[@]}" ${until:+--until "$until"}
 cd results  # the small artifacts, in one archive: the device tool returns a few files only
 stage_dir=$(mktemp -d)
 find . \( -name '*.tsv' -o -name 'verify*.json' -o -name 'benchmark.json' -o -name 'benchmark.md' -o -name '*.png' \
     -o -name engine.json -o -name amax.json -o -name quant_summary.txt \) -not -path '*/checkpoint/*' \
     -not -path '*/dataset/*' -exec cp --parents {} "$stage_dir/" \;
 for log in $(find . -name '*.log'); do mkdir -p "$stage_dir/$(dirname "$log")"; tail -c 20000 "$log" > "$stage_dir/$log.tail"; done
-tar -czf "$OUT/results-$stage.tgz" -C "$stage_dir" .
+tar -czf "$OUT/results-$precision${until:+-$until}.tgz" -C "$stage_dir" .
