@@ -6,7 +6,8 @@ injected while other streams speak, and those streams' tokens must not change.""
 import pytest
 import torch
 
-from workflow import traffic
+from workflow import traffic, vocoder
+from workflow.detokenize import Batched
 from workflow.engines import load_engine
 from workflow.engines.slots import Slots, batch_bucket
 from workflow.generate import Ids, Sampling
@@ -152,13 +153,57 @@ def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):
     req = Request(0, prompt, max_steps=11, reply_codes=11)
     got: list[tuple[list[int], int]] = []
     cfg = ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True))
-    sched = Scheduler(engine, ids, cfg, detokenize=lambda chunks: got.extend((c.tolist(), d) for c, d in chunks))
+
+    def detokenize(chunks):
+        got.extend((c.tolist(), d) for c, d in chunks)
+        return lambda wait: 1.0
+
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize)
     sched.submit(req)
     while not sched.idle():
         sched.iterate()
     assert req.error is None and len(req.codes) == 11 and all(req.modes)  # hold_speech: no end-of-speech before 11
     assert [d for _, d in got] == [0, 4, 8] and req.chunk_codes == [4, 4, 3]
     assert [c for chunk, _ in got for c in chunk] == req.codes
+
+
+def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir):
+    """Chunks whose PCM is not known to be ready leave the loop going; they are stamped, in the
+    order sent, once their ready times are known (flush waits for them)."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=9, reply_codes=9) for i in range(2)]
+    sent: list[float] = []
+
+    def detokenize(chunks):
+        t = float(len(sent))
+        sent.append(t)
+        return lambda wait: t if wait else None  # never known until asked to wait
+
+    sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True)), detokenize=detokenize)
+    for r in reqs:
+        sched.submit(r)
+    while not sched.idle():
+        sched.iterate()
+    assert all(r.error is None and len(r.codes) == 9 and not r.stamped and not r.chunk_ready for r in reqs)
+    sched.flush()
+    assert all(r.stamped and r.chunk_codes == [4, 4, 1] for r in reqs)
+    assert reqs[0].chunk_ready == reqs[1].chunk_ready == [0.0, 1.0, 2.0] == sent  # each batch both streams' chunks
+
+
+def test_serving_detokenizer_batches_chunks_by_frame_count():
+    """One vocoder call per mel length, the batch padded to its bucket; each chunk's mel at its
+    own offset (the CPU: in line, stamped by the clock after it)."""
+    calls = []
+    mel = vocoder.MelStandIn(16, 4, 100.0 / 0.96, torch.device("cpu"))  # 104.2 frames a second: 8 or 9 a code
+    detok = Batched(mel, lambda m: calls.append(m.clone()), torch.device("cpu"), lambda n: 4, lambda: 7.0)
+    codes = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6, 7, 8, 9, 10]), torch.tensor([11, 12])]
+    ready = detok([(codes[0], 0), (codes[1], 5), (codes[2], 0)])
+    assert ready(False) == 7.0
+    frames = sorted(c.shape[-1] for c in calls)
+    assert len(calls) == 2 and frames == [mel.frames(2), mel.frames(5)] and all(c.shape[0] == 4 for c in calls)
+    five = next(c for c in calls if c.shape[-1] == mel.frames(5))
+    assert torch.equal(five[0], mel(codes[0][None], 0)[0]) and torch.equal(five[1], mel(codes[1][None], 5)[0])
 
 
 def test_underruns_count_chunks_ready_after_playback_ran_out():
@@ -180,6 +225,8 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     for lv in out["levels"]:
         assert lv["served"] == lv["requests"] > 0 and lv["failed"] == lv["refused"] == 0
         assert 0 < lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p99"] and 0 < lv["busy_fraction"] <= 1
+        assert set(lv["device_busy"]) == {"prefill", "sample", "decode"}  # no detokenizer given
+        assert 0 < sum(lv["device_busy"].values()) <= lv["busy_fraction"]  # the CPU: its phases are the loop's time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
     t = out["timeline"]

@@ -1,5 +1,5 @@
 """The detokenizer stage of a stream, two ways: in line with decoding, or overlapped with it on
-a second CUDA stream.
+a second CUDA stream; and serving's (`Batched`), chunks of many streams at once.
 
 Each chunk of K codes goes codes -> mel -> vocoder -> PCM of exactly K x 80 ms (frames come
 hop-aligned, so a few samples carry over to the next chunk). The figures mean the same either
@@ -192,20 +192,67 @@ def detokenizer(
     return Inline(mel, vocoder, samples_per_token, batch, device, clock)
 
 
-def batched(mel: Mel, vocoder: Vocoder, device: torch.device, bucket: Callable[[int], int]) -> Callable:
+Ready = Callable[[bool], float | None]  # (wait) -> when a batch's PCM was ready (host seconds); None: not yet
+
+
+class Batched:
     """Serving's detokenizer: chunks of many streams, [(codes [K], codes before them)], each
     chunk's mel at its own offset, then the vocoder once per frame count (a chunk's mel is 37 or
-    38 frames) over every chunk of it, the batch padded to bucket(n) rows (a CUDA graph each)."""
+    38 frames) over every chunk of it, the batch padded to bucket(n) rows (a CUDA graph each).
+
+    On CUDA the work goes to a side stream of the highest priority and the call returns at once:
+    the codes come from the host, so nothing waits for decoding, and decoding goes on beside the
+    vocoder. The batch's ready time is a CUDA event read once complete and put on the host clock
+    through an anchor event (`host_time`), recorded on an idle stream (it completes at once) and
+    renewed every `anchor_s`, as the GPU's and the host's clocks drift apart (parts per million).
+    On the CPU it runs in line and the clock is read after it."""
+
+    def __init__(
+        self, mel: Mel, vocoder: Vocoder, device: torch.device, bucket: Callable[[int], int], clock: Clock,
+        anchor_s: float = 2.0,
+    ):  # fmt: skip
+        self.mel, self.vocoder, self.device, self.bucket, self.clock = mel, vocoder, device, bucket, clock
+        self.anchor_s, self.anchor, self.t_anchor = anchor_s, None, -float("inf")
+        cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device, priority=-100) if cuda else None  # clamped to the highest there is
+        self.idle = torch.cuda.Stream(device) if cuda else None
+
+    def __call__(self, chunks: list[tuple[torch.Tensor, int]]) -> Ready:
+        if self.side is None:
+            self._run(chunks)
+            t = self.clock()
+            return lambda wait: t
+        anchor, t_anchor = self._anchor()
+        done = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.side):  # what is allocated here belongs to the side stream
+            self._run(chunks)
+            done.record(self.side)
+
+        def ready(wait: bool) -> float | None:
+            if not wait and not done.query():
+                return None
+            done.synchronize()
+            return host_time(t_anchor, anchor.elapsed_time(done))
+
+        return ready
 
     @torch.no_grad()
-    def run(chunks: list[tuple[torch.Tensor, int]]) -> None:
+    def _run(self, chunks: list[tuple[torch.Tensor, int]]) -> None:
+        codes = torch.cat([c for c, _ in chunks])  # one copy to the device, not waiting (pinned)
+        codes = (codes.pin_memory() if self.side is not None else codes).to(self.device, non_blocking=True)
         groups: dict[int, list[torch.Tensor]] = {}
-        for codes, done in chunks:
-            m = mel(codes[None].to(device), done)
+        for part, (_, done) in zip(codes.split([len(c) for c, _ in chunks]), chunks, strict=True):
+            m = self.mel(part[None], done)
             groups.setdefault(m.shape[-1], []).append(m)
         for group in groups.values():
             x = torch.cat(group)
-            pad = bucket(len(x)) - len(x)
-            vocoder(torch.cat([x, x[:1].expand(pad, -1, -1)]) if pad else x)
+            pad = self.bucket(len(x)) - len(x)
+            self.vocoder(torch.cat([x, x[:1].expand(pad, -1, -1)]) if pad else x)
 
-    return run
+    def _anchor(self) -> tuple[torch.cuda.Event, float]:
+        if self.clock() - self.t_anchor > self.anchor_s:
+            self.anchor = torch.cuda.Event(enable_timing=True)
+            self.anchor.record(self.idle)
+            self.anchor.synchronize()
+            self.t_anchor = self.clock()
+        return self.anchor, self.t_anchor

@@ -122,16 +122,20 @@ def load_markdown(load: dict) -> list[str]:
         + (f" ({mem['slots_fit']} would fit beside the weights)" if "slots_fit" in mem else "")
         + f"; at most {c['prefill_tokens']} prompt tokens admitted per iteration.",
         "",
+        "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
+        "sample, decode on the decoding stream; detokenizer on its own, beside it).",
+        "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
-        "slots in use | refused / failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "device: prefill / sample / decode / detok. | slots in use | refused / failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in load["levels"]:
-        t = lv["ttfa_ms"]
+        t, d = lv["ttfa_ms"], lv["device_busy"]
         what = f"closed, {lv['value']:g} users" if lv["kind"] == "closed" else f"Poisson {lv['value']:g}/s"
         lines.append(
             f"| {what} | {lv['offered_streams']:.0f} | {lv['requests']} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} "
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
+            f"| {' / '.join(f'{d.get(k, 0.0):.2f}' for k in ('prefill', 'sample', 'decode', 'detokenize'))} "
             f"| {lv['mean_active_slots']:.1f} | {lv['refused']} / {lv['failed']} |"
         )
     return lines

@@ -98,3 +98,13 @@ class Engine(ABC):
     def tuning_json(self) -> dict:
         """What the engine tuned on this GPU when first opened (build stores it in engine.json)."""
         return {}
+
+
+def to_device(device: torch.device, host: torch.Tensor | Sequence) -> torch.Tensor:
+    """Host ints (a tensor, or nested lists of ints or bools, as long) on the device, copied
+    through pinned memory without waiting: a plain copy from pageable memory first waits for
+    the stream's work (a running decode step) and holds back every launch behind it."""
+    host = host if isinstance(host, torch.Tensor) else torch.tensor(host, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -38,7 +38,7 @@ from torch import nn
 from workflow import trtckpt
 from workflow.cudagraphs import Graphs
 from workflow.engines import attention, blocks, gemv
-from workflow.engines.base import Engine, any_text, merged_ids
+from workflow.engines.base import Engine, any_text, merged_ids, to_device
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.engines.options import EngineOptions
 from workflow.engines.slots import Slots, batch_bucket
@@ -285,7 +285,7 @@ class TorchEngine(Engine, nn.Module):
             return
         r = max(CATCH_UP_ROWS, 1 << (owed - 1).bit_length())
         kv_len = kv_bucket(min(max(slots.filled) + r, self.max_seq_len), self.max_seq_len)
-        first = torch.tensor(slots.filled + [0] * (b - slots.n), device=self.device)
+        first = to_device(self.device, slots.filled + [0] * (b - slots.n))
         pos = (first[:, None] + self.positions[None, :r]).clamp_(max=self.max_seq_len - 1)
         self.catch_up_pos[:b, :r].copy_(pos)
 
@@ -331,10 +331,10 @@ class TorchEngine(Engine, nn.Module):
             self._catch_up_text(b)
         elif self.held is None:  # outside any graph: those that hold read this one buffer
             self.held = self.embedding.new_zeros(self.max_batch, self.max_seq_len, self.spec.hidden_size)
-        order = None if rows == list(range(n)) else torch.tensor(rows, device=self.device)
+        order = None if rows == list(range(n)) else to_device(self.device, rows)
         by_row = tokens
         if order is not None or b != n:  # the tokens in row order, padding rows after them
-            by_row = tokens.new_zeros(b, 2).index_copy_(0, torch.tensor(rows, device=tokens.device), tokens)
+            by_row = tokens.new_zeros(b, 2).index_copy_(0, to_device(tokens.device, rows), tokens)
 
         def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
             return self.forward_tokens(static, self.at(self.pos[:b], self.row_ids[:b], kv_len), text_head, False, hold)

@@ -15,7 +15,9 @@ Figures per level, with the definitions of docs/DESIGN (shared by every result f
 - time to first audio (TTFA): a request's arrival to its first chunk's PCM ready;
 - playback starts when the first chunk is ready; chunk i is due at t_first + i x chunk seconds,
   and an underrun is a chunk ready after it is due (count and total stalled seconds);
-- tokens/s (codes generated), busy fraction (time the loop had work / wall time);
+- tokens/s (codes generated), busy fraction (time the loop had work / wall time), and the
+  device's time per phase of the loop over wall time (`device_busy`: prefill, sample, decode on
+  the decoding stream, detokenize on its own);
 - streams at the SLO: the largest closed-loop N whose TTFA p99 <= ttfa_slo_ms with no underrun
   and no failed stream.
 """
@@ -123,10 +125,22 @@ def run_level(
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
     busy, active_sum, iterations, seen, last_print = 0.0, 0, 0, 0, t0
-    while pending or not sched.idle():
+    listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
+    while pending or listening or not sched.idle():
         now = clock()
         while pending and pending[0] <= now:
             sched.submit(level.new_request(pending.pop(0)))
+        if level.kind == "closed":  # a user whose reply has played asks again
+            listening += sched.done[seen:]
+            seen = len(sched.done)
+            if sched.idle():  # nothing to launch: wait for the detokenizer, to stamp the last replies
+                sched.flush()
+            for req in [r for r in listening if r.stamped]:
+                listening.remove(req)
+                t_next = playback_end(req, chunk_s) if req.chunk_ready else clock()
+                if t_next < end:
+                    pending.append(t_next)
+            pending.sort()
         if sched.idle():
             time.sleep(max(0.0, min(pending[0] - clock(), 0.05)) if pending else 0.0)
             continue
@@ -135,13 +149,6 @@ def run_level(
         busy += clock() - t_iter
         iterations += 1
         active_sum += len(sched.streams)
-        if level.kind == "closed":  # a user whose reply has played asks again
-            for req in sched.done[seen:]:
-                t_next = playback_end(req, chunk_s) if req.chunk_ready else clock()
-                if t_next < end:
-                    pending.append(t_next)
-            seen = len(sched.done)
-            pending.sort()
         if progress and clock() - last_print > 2.0:
             last_print = clock()
             print(
@@ -149,6 +156,7 @@ def run_level(
                 f"{len(sched.queue)} queued, {len(sched.done)} done",
                 file=sys.stderr,
             )
+    sched.flush()
     wall = clock() - t0
     done = sched.done
     served = [r for r in done if r.error is None]
@@ -168,6 +176,7 @@ def run_level(
         "stalled_s": sum(s for _, s in runs),
         "tokens_per_s": sum(len(r.codes) for r in done) / wall,
         "busy_fraction": busy / wall,
+        "device_busy": {phase: s / wall for phase, s in sorted(sched.phases.seconds.items())},
         "mean_active_slots": active_sum / max(1, iterations),
         "iterations": iterations,
         "wall_s": wall,

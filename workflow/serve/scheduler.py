@@ -8,13 +8,19 @@ One thread owns the engine. Each `iterate`:
    far inside the 80 ms each running stream has per code, and the token budget keeps a burst of
    arrivals from stacking more than that in front of one step;
 2. samples every active stream's next token from its logits (MOSS-Speech's loop: `generate`'s
-   sampling, penalty and modality switches, per stream), with one wait for the device;
-3. sends every stream's finished chunk (K codes) to the detokenizer, as one batch across streams,
-   and stamps each chunk ready when its PCM is;
-4. retires streams that are done (their codes spoken, a stop id, their step budget) or that
+   sampling, penalty and modality switches, per stream), with one wait for the device: the
+   iteration's only one;
+3. retires streams that are done (their codes spoken, a stop id, their step budget) or that
    failed (non-finite logits), freeing their slots at once;
-5. runs one decode step for every remaining stream, text-mode and audio-mode ones together
-   (`need_text` per slot), each at its own position.
+4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
+   (`need_text` per slot), each at its own position;
+5. while the device decodes, sends every stream's finished chunk (K codes) to the detokenizer,
+   as one batch across streams. The detokenizer returns at once (on CUDA it runs on a side
+   stream, beside decoding) with a `Ready`: each chunk is stamped ready when its PCM is, read
+   once known (`flush` waits for all).
+
+The clock is the host's and never waits for the device; `phases` sums the device time of each
+phase (prefill, sampling, decode, detokenizer).
 
 A request the engine cannot take is refused at `submit` with a one-line reason (an id outside
 the vocabularies, a prompt or reply longer than a slot, every slot busy when `when_full` is
@@ -31,10 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workflow.engines.base import Engine
+from workflow.detokenize import Ready
+from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
+from workflow.serve.phases import Phases
 
-Detokenize = Callable[[list[tuple[torch.Tensor, int]]], None]  # [(codes [K], codes before them)], run in order
+Detokenize = Callable[[list[tuple[torch.Tensor, int]]], Ready]  # [(codes [K], codes before them)], run in order
 
 
 @dataclass
@@ -51,14 +59,19 @@ class Request:
     tokens: list[tuple[int, int]] = field(default_factory=list)  # fed back after each step
     modes: list[bool] = field(default_factory=list)  # the mode each was sampled in (True: audio)
     codes: list[int] = field(default_factory=list)
-    chunk_ready: list[float] = field(default_factory=list)
-    chunk_codes: list[int] = field(default_factory=list)
+    chunk_ready: list[float] = field(default_factory=list)  # filled in when known: see `stamped`
+    chunk_codes: list[int] = field(default_factory=list)  # of each chunk sent
     error: str | None = None  # refused, cancelled, or failed; None: served
     finished: bool = False
 
     @property
     def ttfa_s(self) -> float | None:
         return self.chunk_ready[0] - self.t_arrival if self.chunk_ready else None
+
+    @property
+    def stamped(self) -> bool:
+        """Whether every chunk sent has its ready time."""
+        return len(self.chunk_ready) == len(self.chunk_codes)
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,8 @@ class Scheduler:
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
         self.logits: tuple[list[int], torch.Tensor | None, torch.Tensor] | None = None  # slots, text, audio
         self.done: list[Request] = []
+        self.unready: deque[tuple[Ready, list[Request]]] = deque()  # chunks sent, in order, not yet stamped
+        self.phases = Phases(dev, clock)
 
     def submit(self, req: Request) -> bool:
         """Queue a request, or refuse it (req.error says why, req is done): False."""
@@ -130,19 +145,13 @@ class Scheduler:
         return not self.streams and not self.queue
 
     def iterate(self) -> None:
-        """One admission, sampling, detokenization, retirement and decode step (module docstring)."""
+        """One admission, sampling, retirement, decode step and detokenization (module docstring)."""
+        self._stamp(wait=False)
         self._admit()
         if not self.streams:
             return
         slots, tokens, failed = self._sample()
-        chunks = self._chunks(slots)
-        if chunks:
-            if self.detokenize is not None:
-                self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks])
-            t = self.clock()
-            for req, codes, _ in chunks:
-                req.chunk_ready.append(t)
-                req.chunk_codes.append(len(codes))
+        chunks = self._chunks(slots)  # before retirement: a stream that ends sends its last codes
         ending = {s: failed[s] for s in slots if s in failed} | {
             s: None for s in slots if s not in failed and self._finished(self.streams[s])
         }
@@ -150,8 +159,38 @@ class Scheduler:
         keep = [i for i, s in enumerate(slots) if s not in ending]
         if keep:
             going = [slots[i] for i in keep]
-            text, audio = self.engine.step(going, tokens[keep], [not self.mode[s] for s in going])
+            with self.phases("decode"):
+                text, audio = self.engine.step(going, tokens[to_device(tokens.device, keep)], [not self.mode[s] for s in going])
             self.logits = (going, text, audio)
+        if chunks:
+            self._send(chunks)
+
+    def flush(self) -> None:
+        """Wait for the detokenizer and the device: every chunk sent is stamped, every phase timed."""
+        self._stamp(wait=True)
+
+    def _send(self, chunks: list[tuple[Request, list[int], int]]) -> None:
+        if self.detokenize is None:
+            t = self.clock()
+            ready: Ready = lambda wait: t  # noqa: E731
+        else:
+            with self.phases("detokenize", getattr(self.detokenize, "side", None)):  # its stream, on CUDA
+                ready = self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks])
+        for req, codes, _ in chunks:
+            req.chunk_codes.append(len(codes))
+        self.unready.append((ready, [req for req, _, _ in chunks]))
+
+    def _stamp(self, wait: bool) -> None:
+        """Stamp the chunks whose PCM is known to be ready, in the order they were sent."""
+        while self.unready:
+            ready, reqs = self.unready[0]
+            t = ready(wait)
+            if t is None:
+                break
+            for req in reqs:
+                req.chunk_ready.append(t)
+            self.unready.popleft()
+        self.phases.collect(wait)
 
     def _admit(self) -> None:
         free, budget, admitted = self._free_slots(), self.cfg.prefill_tokens, []
@@ -167,13 +206,14 @@ class Scheduler:
             slots = [r.slot for r in group]
             prompts = torch.stack([r.prompt for r in group])
             mode = audio_mode_after(prompts, self.ids)[:, -1].tolist()
-            text, audio = self.engine.admit(slots, prompts, need_text=not all(mode))
+            with self.phases("prefill"):
+                text, audio = self.engine.admit(slots, prompts, need_text=not all(mode))
             dev = self.engine.device
-            self.seen_text[slots] = False
-            self.seen_audio[slots] = False
-            rows = torch.tensor(slots, device=dev)[:, None]
-            self.seen_text[rows, prompts[..., 0].to(dev)] = True
-            self.seen_audio[rows, prompts[..., 1].to(dev)] = True
+            rows, prompts = to_device(dev, slots), to_device(dev, prompts)
+            self.seen_text[rows] = False
+            self.seen_audio[rows] = False
+            self.seen_text[rows[:, None], prompts[..., 0]] = True
+            self.seen_audio[rows[:, None], prompts[..., 1]] = True
             for req, m in zip(group, mode, strict=True):
                 self.streams[req.slot], self.mode[req.slot] = req, m
             self._add_logits(slots, text, audio)
@@ -199,20 +239,20 @@ class Scheduler:
         streams whose logits are not finite); each stream's mode moves to its next token's."""
         slots, text_logits, audio_logits = self.logits
         dev, ids, s = self.engine.device, self.ids, self.cfg.sampling
-        idx = torch.tensor(slots, device=dev)
-        audio_mode = torch.tensor([self.mode[x] for x in slots], device=dev)
-        bad = ~torch.isfinite(audio_logits).all(-1)
-        if text_logits is not None:
-            bad |= ~audio_mode & ~torch.isfinite(text_logits).all(-1)
-        hold = None
-        if self.cfg.hold_speech:
-            hold = torch.tensor([len(self.streams[x].codes) < (self.streams[x].reply_codes or 0) for x in slots], device=dev)
-        seen = self.seen_text[idx], self.seen_audio[idx]
-        text_tok, audio_tok = sample_step(text_logits, audio_logits, *seen, hold, ids, s, self.generator)
-        tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)
-        self.seen_text[idx, tokens[:, 0]] = True
-        self.seen_audio[idx, tokens[:, 1]] = True
-        rows = torch.stack([tokens[:, 0], tokens[:, 1], next_mode.long(), stopped.long(), bad.long()], 1).tolist()  # the wait
+        hold = [len(self.streams[x].codes) < (self.streams[x].reply_codes or 0) for x in slots]
+        idx, audio_mode, hold_eosp = to_device(dev, [slots, [self.mode[x] for x in slots], hold]).unbind(0)
+        audio_mode, hold_eosp = audio_mode.bool(), (hold_eosp.bool() if self.cfg.hold_speech else None)
+        with self.phases("sample"):
+            bad = ~torch.isfinite(audio_logits).all(-1)
+            if text_logits is not None:
+                bad |= ~audio_mode & ~torch.isfinite(text_logits).all(-1)
+            seen = self.seen_text[idx], self.seen_audio[idx]
+            text_tok, audio_tok = sample_step(text_logits, audio_logits, *seen, hold_eosp, ids, s, self.generator)
+            tokens, next_mode, stopped = advance(text_tok, audio_tok, audio_mode, ids)
+            self.seen_text[idx, tokens[:, 0]] = True
+            self.seen_audio[idx, tokens[:, 1]] = True
+            rows = torch.stack([tokens[:, 0], tokens[:, 1], next_mode.long(), stopped.long(), bad.long()], 1)
+        rows = rows.tolist()  # the wait
         failed = {}
         for x, (text, audio, nxt, stop, nan) in zip(slots, rows, strict=True):
             req = self.streams[x]
@@ -249,7 +289,8 @@ class Scheduler:
         if self.logits is not None:
             kept = [i for i, s in enumerate(self.logits[0]) if s not in why]
             old_slots, text, audio = self.logits
-            self.logits = ([old_slots[i] for i in kept], None if text is None else text[kept], audio[kept]) if kept else None
+            rows = to_device(audio.device, kept)
+            self.logits = ([old_slots[i] for i in kept], None if text is None else text[rows], audio[rows]) if kept else None
         for s in slots:
             req = self.streams.pop(s)
             self.mode.pop(s)
