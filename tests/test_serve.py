@@ -168,16 +168,17 @@ def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):
 
 
 def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir):
-    """Chunks whose PCM is not known to be ready leave the loop going; they are stamped, in the
-    order sent, once their ready times are known (flush waits for them)."""
+    """Chunks whose PCM is not known to be ready leave the loop going: two batches run at once,
+    later chunks wait and go together; all are stamped, in the order made, once their ready
+    times are known (flush sends what waits and waits for it)."""
     engine = load_engine(tiny_engine_dir)
     ids = Ids.of(engine.spec)
-    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=9, reply_codes=9) for i in range(2)]
-    sent: list[float] = []
+    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=17, reply_codes=17) for i in range(2)]
+    batches: list[int] = []
 
     def detokenize(chunks):
-        t = float(len(sent))
-        sent.append(t)
+        t = float(len(batches))
+        batches.append(len(chunks))
         return lambda wait: t if wait else None  # never known until asked to wait
 
     sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True)), detokenize=detokenize)
@@ -185,10 +186,12 @@ def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir):
         sched.submit(r)
     while not sched.idle():
         sched.iterate()
-    assert all(r.error is None and len(r.codes) == 9 and not r.stamped and not r.chunk_ready for r in reqs)
+    assert batches == [2, 2] and len(sched.outbox) == 6  # two batches running: three chunks a stream wait
+    assert all(r.error is None and len(r.codes) == 17 and not r.stamped and not r.chunk_ready for r in reqs)
     sched.flush()
-    assert all(r.stamped and r.chunk_codes == [4, 4, 1] for r in reqs)
-    assert reqs[0].chunk_ready == reqs[1].chunk_ready == [0.0, 1.0, 2.0] == sent  # each batch both streams' chunks
+    assert batches == [2, 2, 6] and not sched.outbox
+    assert all(r.stamped and r.chunk_codes == [4, 4, 4, 4, 1] for r in reqs)
+    assert reqs[0].chunk_ready == reqs[1].chunk_ready == [0.0, 1.0, 2.0, 2.0, 2.0]
 
 
 def test_serving_detokenizer_batches_chunks_by_frame_count():

@@ -51,6 +51,7 @@ class LoadConfig:
     slots: int = 8  # the engine's slots (max_batch) for the load
     prefill_tokens: int = 2048
     when_full: str = "queue"
+    detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
     seed: int = 9101
 
     @classmethod
@@ -118,7 +119,10 @@ def run_level(
     progress: bool = True,
 ) -> tuple[dict, list[Request]]:
     cfg = level.cfg
-    serve = ServeConfig(chunk_tokens, cfg.prefill_tokens, cfg.when_full, True, sampling)
+    serve = ServeConfig(
+        chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
+        detokenize_batches=cfg.detokenize_batches, sampling=sampling,
+    )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     chunk_s = chunk_tokens * SECONDS_PER_TOKEN
     t0 = clock()

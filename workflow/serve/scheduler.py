@@ -14,10 +14,12 @@ One thread owns the engine. Each `iterate`:
    failed (non-finite logits), freeing their slots at once;
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
    (`need_text` per slot), each at its own position;
-5. while the device decodes, sends every stream's finished chunk (K codes) to the detokenizer,
-   as one batch across streams. The detokenizer returns at once (on CUDA it runs on a side
-   stream, beside decoding) with a `Ready`: each chunk is stamped ready when its PCM is, read
-   once known (`flush` waits for all).
+5. while the device decodes, sends the streams' finished chunks (K codes each) to the
+   detokenizer, as one batch across streams. The detokenizer returns at once (on CUDA it runs
+   on a side stream, beside decoding) with a `Ready`: each chunk is stamped ready when its PCM
+   is, read once known (`flush` waits for all). While `detokenize_batches` batches are still
+   running, new chunks wait and go together later: the vocoder's cost per chunk falls steeply
+   with its batch, and a queue on the side stream would only grow.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer).
@@ -60,7 +62,7 @@ class Request:
     modes: list[bool] = field(default_factory=list)  # the mode each was sampled in (True: audio)
     codes: list[int] = field(default_factory=list)
     chunk_ready: list[float] = field(default_factory=list)  # filled in when known: see `stamped`
-    chunk_codes: list[int] = field(default_factory=list)  # of each chunk sent
+    chunk_codes: list[int] = field(default_factory=list)  # of each chunk made
     error: str | None = None  # refused, cancelled, or failed; None: served
     finished: bool = False
 
@@ -70,7 +72,7 @@ class Request:
 
     @property
     def stamped(self) -> bool:
-        """Whether every chunk sent has its ready time."""
+        """Whether every chunk made has its ready time."""
         return len(self.chunk_ready) == len(self.chunk_codes)
 
 
@@ -80,6 +82,7 @@ class ServeConfig:
     prefill_tokens: int = 2048  # prompt tokens admitted per iteration (one prompt at least)
     when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
     hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
+    detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
     sampling: Sampling = field(default_factory=Sampling)
 
 
@@ -104,6 +107,7 @@ class Scheduler:
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
         self.logits: tuple[list[int], torch.Tensor | None, torch.Tensor] | None = None  # slots, text, audio
         self.done: list[Request] = []
+        self.outbox: list[tuple[Request, list[int], int]] = []  # chunks made, not yet sent
         self.unready: deque[tuple[Ready, list[Request]]] = deque()  # chunks sent, in order, not yet stamped
         self.phases = Phases(dev, clock)
 
@@ -149,9 +153,12 @@ class Scheduler:
         self._stamp(wait=False)
         self._admit()
         if not self.streams:
+            self._send(due=True)
             return
         slots, tokens, failed = self._sample()
-        chunks = self._chunks(slots)  # before retirement: a stream that ends sends its last codes
+        for req, codes, done in self._chunks(slots):  # before retirement: a stream that ends sends its last codes
+            req.chunk_codes.append(len(codes))
+            self.outbox.append((req, codes, done))
         ending = {s: failed[s] for s in slots if s in failed} | {
             s: None for s in slots if s not in failed and self._finished(self.streams[s])
         }
@@ -162,22 +169,26 @@ class Scheduler:
             with self.phases("decode"):
                 text, audio = self.engine.step(going, tokens[to_device(tokens.device, keep)], [not self.mode[s] for s in going])
             self.logits = (going, text, audio)
-        if chunks:
-            self._send(chunks)
+        self._send(due=len(self.unready) < self.cfg.detokenize_batches)
 
     def flush(self) -> None:
-        """Wait for the detokenizer and the device: every chunk sent is stamped, every phase timed."""
+        """Send what waits, then wait for the detokenizer and the device: every chunk made is
+        stamped, every phase timed."""
+        self._send(due=True)
         self._stamp(wait=True)
 
-    def _send(self, chunks: list[tuple[Request, list[int], int]]) -> None:
+    def _send(self, due: bool) -> None:
+        """Every waiting chunk to the detokenizer in one batch, if `due`."""
+        chunks = self.outbox
+        if not due or not chunks:
+            return
+        self.outbox = []
         if self.detokenize is None:
             t = self.clock()
             ready: Ready = lambda wait: t  # noqa: E731
         else:
             with self.phases("detokenize", getattr(self.detokenize, "side", None)):  # its stream, on CUDA
                 ready = self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks])
-        for req, codes, _ in chunks:
-            req.chunk_codes.append(len(codes))
         self.unready.append((ready, [req for req, _, _ in chunks]))
 
     def _stamp(self, wait: bool) -> None:
@@ -276,7 +287,7 @@ class Scheduler:
         out = []
         for x in slots:
             req = self.streams[x]
-            sent = sum(req.chunk_codes)
+            sent = sum(req.chunk_codes)  # made, sent or not
             pending = len(req.codes) - sent
             if pending >= self.cfg.chunk_tokens or (pending and self._finished(req)):
                 out.append((req, req.codes[sent:], sent))
