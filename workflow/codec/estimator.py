@@ -1,0 +1,254 @@
+"""The flow's velocity estimator: CosyVoice2's `CausalConditionalDecoder`, a causal 1-D U-Net (docs/codec.md).
+
+Shape, from `EstimatorConfig` (true shape: C = 256, 4 blocks a level, 12 mid levels, 8 x 64 heads):
+
+    [x | mu | spks (broadcast over time) | cond]  (4 x 80 = 320 channels)
+    down:  CausalResnetBlock1D(320 -> C) + `blocks` transformer blocks + CausalConv1d(C, C, 3)   -> skip
+    mid:   `mid_blocks` x (CausalResnetBlock1D(C -> C) + `blocks` transformer blocks)
+    up:    concat(x, skip) -> CausalResnetBlock1D(2C -> C) + `blocks` transformer blocks + CausalConv1d(C, C, 3)
+    out:   CausalBlock1D(C -> C) + Conv1d(C -> 80, 1)
+
+With one U-Net level the "downsample" and "upsample" are stride-1 causal convolutions (the official code
+uses them on its last level), so every part runs at the mel frame rate. Every resnet block adds the time
+embedding: sinusoidal(in_channels) -> Linear -> SiLU -> Linear (4 x C). Attention is full over the valid
+frames offline; streaming, each frame sees every earlier chunk and its own chunk of `chunk_frames` frames.
+Convolutions only look left, so with the chunk mask an output frame never depends on a later chunk.
+
+Module and parameter names follow the official ones, so `state_dict()` keys are the checkpoint's keys
+below `decoder.estimator.` (e.g. `mid_blocks.0.1.0.attn1.to_q.weight`); `load_flow_state` loads them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workflow.codec.config import CodecConfig, EstimatorConfig
+
+PREFIX = "decoder.estimator."  # where the estimator's tensors sit in the official flow.pt
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d padded with kernel_size - 1 zeros on the left only: output frame i sees input frames <= i."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int) -> None:
+        super().__init__(cin, cout, kernel_size)
+        self.left = kernel_size - 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(F.pad(x, (self.left, 0)))
+
+
+class CausalBlock1D(nn.Module):
+    """Causal conv k3 -> LayerNorm over channels -> Mish, on masked input and output.
+
+    `block` is indexed like the official Sequential (0: conv, 1: a transpose, 2: the LayerNorm), so the
+    weights are `block.0.*` and `block.2.*`; slot 1 holds no parameters."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([CausalConv1d(cin, cout, 3), nn.Identity(), nn.LayerNorm(cout)])
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        conv, _, norm = self.block
+        h = conv(x * mask)
+        h = norm(h.transpose(1, 2)).transpose(1, 2)
+        return F.mish(h) * mask
+
+
+class CausalResnetBlock1D(nn.Module):
+    """Two causal blocks with the time embedding added between them, plus a 1x1 residual projection."""
+
+    def __init__(self, cin: int, cout: int, time_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, cout))  # weights: mlp.1.*
+        self.block1 = CausalBlock1D(cin, cout)
+        self.block2 = CausalBlock1D(cout, cout)
+        self.res_conv = nn.Conv1d(cin, cout, 1)
+
+    def forward(self, x: Tensor, mask: Tensor, temb: Tensor) -> Tensor:
+        h = self.block1(x, mask) + self.mlp(temb).unsqueeze(-1)
+        h = self.block2(h, mask)
+        return h + self.res_conv(x * mask)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention, diffusers' parameter names: to_q/to_k/to_v without bias, to_out.0 with."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        inner = heads * head_dim
+        self.heads = heads
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # (diffusers' to_out.1 is a parameter-free dropout)
+
+    def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
+        """x [B, T, dim]; allowed [B, T, T] bool, True where query row may attend to key column."""
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+        return self.to_out[0](y.transpose(1, 2).reshape(b, t, -1))
+
+
+class GeluProj(nn.Module):
+    """Linear then exact GELU (diffusers' `GELU` activation module, weights `proj.*`)."""
+
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, inner)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    """dim -> 4 dim (GELU) -> dim; `net` is indexed like the official one (0: proj + gelu, 1: dropout, 2: out)."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GeluProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class TransformerBlock(nn.Module):
+    """Matcha/diffusers BasicTransformerBlock as used here: pre-norm self-attention and GELU feed-forward
+    (no cross-attention, so no norm2/attn2; the timestep argument is unused by layer_norm blocks)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
+        x = x + self.attn1(self.norm1(x), allowed)
+        return x + self.ff(self.norm3(x))
+
+
+class TimestepEmbedding(nn.Module):
+    """Linear -> SiLU -> Linear over the sinusoidal embedding of t."""
+
+    def __init__(self, cin: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(cin, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+def sinusoidal(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
+    """Matcha's SinusoidalPosEmb: [sin | cos] of scale * t * 10000^(-i / (dim/2 - 1)), i < dim/2. t [B] -> [B, dim]."""
+    if dim % 2:
+        raise ValueError(f"the time embedding width must be even, got {dim}")
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / (half - 1)))
+    arg = scale * t.reshape(-1, 1).float() * freqs
+    return torch.cat([arg.sin(), arg.cos()], dim=-1).to(t.dtype)
+
+
+def attention_mask(mask: Tensor, chunk_frames: int = 0) -> Tensor:
+    """Which keys each query may attend to: [B, 1, T] frame mask -> [B, T, T] bool.
+
+    chunk_frames 0: every valid frame (offline). chunk_frames n > 0: key j is visible from query i when
+    j < (i // n + 1) * n, i.e. all left chunks and the query's own chunk (num_decoding_left_chunks -1).
+    A row with nothing visible (a padded query) is opened fully, as the official mask helper does; such
+    frames are zeroed by the frame mask afterwards, this only keeps the softmax finite."""
+    valid = mask.bool()
+    t = valid.shape[-1]
+    allowed = valid.expand(-1, t, -1)
+    if chunk_frames > 0:
+        pos = torch.arange(t, device=mask.device)
+        chunk_end = (pos // chunk_frames + 1) * chunk_frames
+        allowed = allowed & (pos.unsqueeze(0) < chunk_end.unsqueeze(1))
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+class CausalConditionalDecoder(nn.Module):
+    """The velocity estimator v(x, t | mu, spks, cond); `chunk_frames` is the streaming chunk in mel frames
+    (the official `static_chunk_size`: chunk codes x token_mel_ratio, 20 for flow-chunk-5)."""
+
+    def __init__(self, cfg: EstimatorConfig, chunk_frames: int = 0) -> None:
+        super().__init__()
+        c, time_dim = cfg.channels, 4 * cfg.channels
+        self.cfg = cfg
+        self.chunk_frames = chunk_frames
+
+        def transformers() -> nn.ModuleList:
+            return nn.ModuleList(TransformerBlock(c, cfg.heads, cfg.head_dim) for _ in range(cfg.blocks))
+
+        self.time_mlp = TimestepEmbedding(cfg.in_channels, time_dim)
+        # each level is a ModuleList so the keys read down_blocks.0.{0: resnet, 1.i: transformer i, 2: conv}
+        self.down_blocks = nn.ModuleList(
+            [nn.ModuleList([CausalResnetBlock1D(cfg.in_channels, c, time_dim), transformers(), CausalConv1d(c, c, 3)])]
+        )
+        self.mid_blocks = nn.ModuleList(
+            nn.ModuleList([CausalResnetBlock1D(c, c, time_dim), transformers()]) for _ in range(cfg.mid_blocks)
+        )
+        self.up_blocks = nn.ModuleList(
+            [nn.ModuleList([CausalResnetBlock1D(2 * c, c, time_dim), transformers(), CausalConv1d(c, c, 3)])]
+        )
+        self.final_block = CausalBlock1D(c, c)
+        self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
+
+    @classmethod
+    def from_codec(cls, cfg: CodecConfig) -> CausalConditionalDecoder:
+        """The estimator of a codec config: chunk_frames = chunk (codes) x encoder.stride (mel frames per code)."""
+        return cls(cfg.estimator, chunk_frames=cfg.chunk * cfg.encoder.stride)
+
+    def transformer_blocks(self) -> list[TransformerBlock]:
+        return [m for m in self.modules() if isinstance(m, TransformerBlock)]
+
+    def load_flow_state(self, flow_state: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Load the estimator's tensors out of a whole flow.pt state dict (keys under `decoder.estimator.`)."""
+        own = {k[len(PREFIX) :]: v for k, v in flow_state.items() if k.startswith(PREFIX)}
+        self.load_state_dict(own, strict=strict)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor | None = None,
+        cond: Tensor | None = None,
+        streaming: bool = False,
+    ) -> Tensor:
+        """x, mu, cond [B, 80, T]; mask [B, 1, T]; t [B]; spks [B, 80] -> velocity [B, 80, T] (zero where masked)."""
+        temb = self.time_mlp(sinusoidal(t, self.cfg.in_channels))
+        parts = [x, mu]
+        if spks is not None:
+            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        if cond is not None:
+            parts.append(cond)
+        h = torch.cat(parts, dim=1)
+        allowed = attention_mask(mask, self.chunk_frames if streaming else 0)
+
+        def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
+            h = h.transpose(1, 2)
+            for block in blocks:
+                h = block(h, allowed)
+            return h.transpose(1, 2)
+
+        skips = []
+        for resnet, blocks, down in self.down_blocks:
+            h = attend(resnet(h, mask, temb), blocks)
+            skips.append(h)
+            h = down(h * mask)
+        for resnet, blocks in self.mid_blocks:
+            h = attend(resnet(h, mask, temb), blocks)
+        for resnet, blocks, up in self.up_blocks:
+            skip = skips.pop()
+            h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
+            h = attend(resnet(h, mask, temb), blocks)
+            h = up(h * mask)
+        h = self.final_block(h, mask)
+        return self.final_proj(h * mask) * mask

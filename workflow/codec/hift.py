@@ -1,0 +1,217 @@
+"""HiFT, the codec's vocoder: 80-band log-mel at 50 Hz -> 24 kHz PCM (docs/codec.md, "Vocoder", "HiFT inference").
+
+An own implementation of CosyVoice's `HiFTGenerator` as MOSS-Speech configures it (the 24 kHz path,
+`SourceModuleHnNSF2` with its `SineGen2`). Module and parameter names follow the official code
+(OpenMOSS/MOSS-Speech @6b86ef6, `cosyvoice/hifigan/{generator,f0_predictor}.py`,
+`cosyvoice/transformer/activation.py`), so that `hift_state_dict(torch.load("hift.pt"))` loads with
+`strict=True`. The convolutions are plain: `fold_weight_norm` turns the checkpoint's weight-norm pairs
+into weights.
+
+    mel [B, 80, F] -> f0 predictor -> f0 [B, F] (Hz) -> NSF source [B, 1, F*hop]
+    mel -> conv_pre -> (lrelu, ups[i], + source_resblocks[i](source_downs[i](STFT(source))), mean of 3 ResBlocks) x 3
+        -> lrelu(0.01) -> conv_post -> exp magnitude, sin phase -> iSTFT (n_fft 16, hop 4) -> clamp -> PCM [B, F*hop]
+
+The random parts (the source's additive noise) come from a `torch.Generator`, never the global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workflow.codec.config import HiftConfig
+
+DEFAULT_SEED = 0  # HiftConfig has no seed field: used when forward() gets no generator
+ELU_CONVS = 5  # ConvRNNF0Predictor: five Conv1d(k=3) + ELU pairs, then Linear(channels, 1)
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.alpha[None, :, None]
+        return x + torch.sin(a * x).pow(2) / (a + 1e-9)
+
+
+class ResBlock(nn.Module):
+    """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), both convs 'same' length."""
+
+    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, dilation=d, padding=d * (kernel - 1) // 2) for d in dilations
+        )
+        self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
+            x = x + c2(a2(c1(a1(x))))
+        return x
+
+
+class F0Predictor(nn.Module):
+    """ConvRNNF0Predictor: `condnet` (Conv1d k3 + ELU) x 5, then `classifier` Linear -> |f0| in Hz, [B, F]."""
+
+    def __init__(self, mel: int, channels: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(ELU_CONVS):  # keys condnet.0, .2, .4, .6, .8 (the ELUs sit at the odd indices)
+            layers += [nn.Conv1d(mel if i == 0 else channels, channels, 3, padding=1), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(channels, 1)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
+
+
+class SourceNSF(nn.Module):
+    """The harmonic-plus-noise source at 24 kHz (SourceModuleHnNSF2 + SineGen2): f0 [B, F] -> [B, 1, F*hop].
+
+    Harmonic k (1..harmonics+1) has per-frame phase increment rad = (k f0 / sr) mod 1; the phase is the
+    cumulative sum over frames times 2 pi, linearly upsampled (align_corners=False) after scaling by hop,
+    so it is held constant over the first and last half frame.
+    SineGen2 computes rad at the sample rate from the nearest-upsampled f0, adds a random initial phase
+    to sample 0 only and linearly downsamples by 1/hop: those taps read samples hop*i + hop/2 -/+ 0.5 of
+    constant frames, so the result is the per-frame rad computed here and, for hop >= 3, the random
+    initial phase never reaches the output. Voiced (f0 > threshold) samples get alpha * sin + N(0, sigma);
+    unvoiced ones N(0, alpha/3). `l_linear` merges the harmonics, then tanh."""
+
+    def __init__(self, cfg: HiftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.l_linear = nn.Linear(cfg.harmonics + 1, 1)
+
+    def sines(self, f0: Tensor, generator: torch.Generator) -> Tensor:
+        """f0 [B, F] (Hz) -> the excitation before merging, [B, F*hop, harmonics+1]."""
+        cfg, hop = self.cfg, self.cfg.hop
+        k = torch.arange(1, cfg.harmonics + 2, device=f0.device, dtype=f0.dtype)
+        rad = (f0[:, :, None] * k / cfg.sampling_rate) % 1  # [B, F, H+1]
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * hop, scale_factor=hop, mode="linear").transpose(1, 2)
+        uv = (f0 > cfg.voiced_threshold).to(f0.dtype).repeat_interleave(hop, dim=1)[:, :, None]  # [B, T, 1]
+        noise_std = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        # Draw as SineGen2 does, so that a seed gives the official noise: first its initial phases [B, H+1]
+        # (inert, see above), then randn_like of its sines, a [B, T, H+1] view of [B, H+1, T] memory; the
+        # strided fill takes a different path from a contiguous randn, hence normal_ on the same view.
+        b, t, h = phase.shape
+        dev = generator.device
+        torch.rand(b, h, generator=generator, device=dev)
+        noise = torch.empty(b, h, t, device=dev, dtype=phase.dtype).transpose(1, 2).normal_(generator=generator)
+        return torch.sin(phase) * cfg.nsf_alpha * uv + noise_std * noise.to(phase.device)
+
+    def forward(self, f0: Tensor, generator: torch.Generator) -> Tensor:
+        return torch.tanh(self.l_linear(self.sines(f0, generator))).transpose(1, 2)
+
+
+class HiFT(nn.Module):
+    """HiFTGenerator (inference): forward(mel [B, mels, F], cache_source) -> (pcm [B, F*hop], source [B, 1, F*hop])."""
+
+    def __init__(self, cfg: HiftConfig) -> None:
+        super().__init__()
+        if cfg.sampling_rate == 22050:
+            raise ValueError("22.05 kHz HiFT uses the older SourceModuleHnNSF/SineGen, which is not implemented")
+        if len(cfg.upsample_rates) != len(cfg.source_resblock_kernels):
+            raise ValueError("one source fusion branch per upsampling stage")
+        self.cfg = cfg
+        n_fft, c = cfg.istft_n_fft, cfg.base_channels
+        self.m_source = SourceNSF(cfg)
+        self.conv_pre = nn.Conv1d(cfg.mel, c, 7, padding=3)
+        self.ups = nn.ModuleList(
+            nn.ConvTranspose1d(c >> i, c >> (i + 1), k, u, padding=(k - u) // 2)
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernels, strict=True))
+        )
+        # The source's STFT (hop istft_hop) is strided down to each stage's rate: stage i keeps
+        # prod(upsample_rates[i+1:]) STFT frames per output frame.
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (k, d) in enumerate(zip(cfg.source_resblock_kernels, cfg.source_resblock_dilations, strict=True)):
+            s = math.prod(cfg.upsample_rates[i + 1 :])
+            ch = c >> (i + 1)
+            conv = nn.Conv1d(n_fft + 2, ch, 1) if s == 1 else nn.Conv1d(n_fft + 2, ch, 2 * s, s, padding=s // 2)
+            self.source_downs.append(conv)
+            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.resblocks = nn.ModuleList(
+            ResBlock(c >> (i + 1), k, d)
+            for i in range(len(cfg.upsample_rates))
+            for k, d in zip(cfg.resblock_kernels, cfg.resblock_dilations, strict=True)
+        )
+        self.conv_post = nn.Conv1d(c >> len(cfg.upsample_rates), n_fft + 2, 7, padding=3)
+        self.f0_predictor = F0Predictor(cfg.mel, cfg.f0_channels)
+        self.register_buffer("window", torch.hann_window(n_fft), persistent=False)  # periodic, as scipy's fftbins=True
+
+    def source(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """mel [B, mels, F] -> the NSF source [B, 1, F*hop]."""
+        if generator is None:
+            generator = torch.Generator(mel.device).manual_seed(DEFAULT_SEED)
+        return self.m_source(self.f0_predictor(mel), generator)
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """mel [B, mels, F] + source [B, 1, F*hop] -> PCM [B, F*hop], within +-audio_limit."""
+        cfg, n_fft = self.cfg, self.cfg.istft_n_fft
+        spec = torch.stft(source[:, 0], n_fft, cfg.istft_hop, n_fft, self.window, return_complex=True)
+        s = torch.cat([spec.real, spec.imag], dim=1)  # [B, n_fft + 2, T/istft_hop + 1]
+        x = self.conv_pre(mel)
+        n = len(cfg.resblock_kernels)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")  # one more frame, to match the STFT's T/hop + 1
+            x = x + self.source_resblocks[i](self.source_downs[i](s))
+            x = sum(block(x) for block in self.resblocks[i * n : (i + 1) * n]) / n
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as in the official code
+        magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
+        phase = torch.sin(x[:, n_fft // 2 + 1 :])
+        pcm = torch.istft(torch.polar(magnitude, phase), n_fft, cfg.istft_hop, n_fft, self.window)
+        return pcm.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+    def forward(
+        self, mel: Tensor, cache_source: Tensor | None = None, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """mel [B, mels, F] -> (pcm [B, F*hop], source [B, 1, F*hop]). `cache_source` [B, 1, S] (the previous
+        call's source tail, S <= F*hop) overwrites the head of the source, so that a streamed chunk's
+        excitation continues the last one's."""
+        s = self.source(mel, generator)
+        if cache_source is not None and cache_source.shape[-1]:
+            s = torch.cat([cache_source.to(s), s[:, :, cache_source.shape[-1] :]], dim=-1)
+        return self.decode(mel, s), s
+
+
+def fold_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Replace weight-norm pairs by plain weights: `X.weight_g` + `X.weight_v` (torch.nn.utils.weight_norm) or
+    `X.parametrizations.weight.original0` + `.original1` (torch.nn.utils.parametrizations.weight_norm) ->
+    `X.weight` = g * v / ||v||, the norm over every dim where g has size 1. Both APIs default to dim=0 for
+    every module, which for ConvTranspose1d (weight [in, out, k]) is the input channel, so g is [in, 1, 1]
+    there and [out, 1, 1] for Conv1d; reading the dims off g's shape covers both. Other keys pass through."""
+    pairs = {"weight_g": "weight_v", "parametrizations.weight.original0": "parametrizations.weight.original1"}
+
+    def split(key: str, suffixes: Iterable[str]) -> tuple[str, str] | None:  # -> (module prefix with its dot, suffix)
+        return next(((key[: -len(s)], s) for s in suffixes if key == s or key.endswith("." + s)), None)
+
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if split(key, pairs.values()):
+            continue  # consumed with its g
+        if (found := split(key, pairs)) is None:
+            out[key] = value
+            continue
+        prefix, g_suffix = found
+        g, v = value.float(), state[prefix + pairs[g_suffix]]
+        dims = [d for d in range(v.dim()) if g.dim() == 0 or g.shape[d] == 1]
+        out[prefix + "weight"] = (v.float() * (g / v.float().norm(dim=dims, keepdim=True))).to(v.dtype)
+    return out
+
+
+def hift_state_dict(checkpoint: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The official `hift.pt` -> a state dict for `HiFT`: the `generator.` prefix dropped (CosyVoice's loader does
+    the same, for HiFi-GAN-style checkpoints), weight norm folded."""
+    return fold_weight_norm({k.replace("generator.", ""): v for k, v in checkpoint.items()})
