@@ -86,3 +86,13 @@ def tiny_fp8(tiny_ckpt, tiny_hf) -> Path:
 @pytest.fixture(scope="session")
 def tiny_fp8_engine_dir(tiny_fp8) -> Path:
     return build_engine(tiny_fp8 / "checkpoint", tiny_fp8.parent / "engine-torch-fp8", precision="fp8")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny shapes (the codec's): there, threads only add barrier
+    waits, seconds a forward on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,13 +18,7 @@ from workflow.codec.mel import LogMel, hz_to_mel, log_mel, mel_filterbank, mel_t
 TINY = CodecConfig.tiny().hift
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny convolutions: intra-op threads only add barrier waits (seconds per forward on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_hift(seed: int = 0) -> HiFT:

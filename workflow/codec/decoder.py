@@ -1,0 +1,206 @@
+"""The whole codec decoder, offline: codes -> mel (the flow) -> 24 kHz PCM (HiFT); docs/codec.md.
+
+    tokens = prompt codes + codes                         the prompt fixes the voice and the chunk grid
+    mu     = FlowFrontEnd(tokens)                         4 mel frames per token; chunk masks when streaming;
+                                                          not final: the last `lookahead` codes are context only
+    cond   = prompt mel, then zeros                       the flow continues the prompt's spectrum
+    mel    = solve(estimator, mu, spks, cond)[prompt:]    fixed noise, Euler, CFG; the prompt's frames dropped
+    pcm    = HiFT(mel, source)                            1920 samples per code
+
+The flow follows `CausalMaskedDiffWithXvec.inference` (OpenMOSS/MOSS-Speech @6b86ef6, `cosyvoice/flow/flow.py`).
+HiFT's network is `hift.py`'s, but its excitation (the NSF source) is made here, by `NsfSource`, for one reason:
+so that a stream (stream.py) can continue it exactly. HiFT's own `SineGen2` restarts the sine phase at zero on
+every call and draws its noise as one [harmonics, samples] block, so a chunk's source depends on where the call
+started and on the total length; CosyVoice2 hides the phase jump by overwriting the head of each new source with
+the last one's tail, which leaves a jump a little later and a different waveform from the one-call decode. Here
+the phase is the running sum over all frames (kept in float64, carried across calls) and the noise is drawn
+frame by frame, in frame order, so a frame's source is the same whether it was made in one call or many. The
+deterministic part equals `SineGen2`'s up to float32 rounding of its phase; the noise has the same distribution
+but other draws than `HiFT.forward` for the same seed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from workflow.codec.config import CodecConfig, HiftConfig, MelConfig
+from workflow.codec.encoder import FlowFrontEnd
+from workflow.codec.estimator import CausalConditionalDecoder
+from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT
+from workflow.codec.mel import LogMel
+from workflow.codec.solver import FixedNoise, solve
+
+F0_RADIUS = ELU_CONVS  # the F0 predictor's five k=3 convolutions: f0 at frame i reads mel frames i-5 .. i+5
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """The voice the flow continues: prompt codes [P], their log-mel [mels, stride * P], a CAM++ x-vector [192]."""
+
+    codes: Tensor
+    mel: Tensor
+    xvector: Tensor
+
+    def __post_init__(self) -> None:
+        if self.codes.dim() != 1 or self.mel.dim() != 2 or self.xvector.dim() != 1:
+            raise ValueError("prompt codes [P], mel [mels, frames] and xvector [dim] expected")
+        if self.codes.numel() and self.mel.shape[1] % self.codes.numel():
+            raise ValueError(f"prompt mel frames {self.mel.shape[1]} are not a multiple of {self.codes.numel()} codes")
+
+    @classmethod
+    def from_wav(cls, wav: Tensor, codes: Tensor, xvector: Tensor, mel: MelConfig | None = None, stride: int = 4) -> VoicePrompt:
+        """The prompt from its 24 kHz waveform: log-mel, then codes and mel trimmed to the same length,
+        min(frames // stride, codes) codes, as the official voice conditioning does."""
+        feats = LogMel(mel).to(wav.device)(wav.float())[0]
+        n = min(feats.shape[1] // stride, codes.numel())
+        return cls(codes[:n].long(), feats[:, : n * stride], xvector.float())
+
+    @classmethod
+    def empty(cls, mels: int = 80, spk_dim: int = 192) -> VoicePrompt:
+        """No prompt at all: no codes, no frames, a zero x-vector (the speaker projection's bias alone)."""
+        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(mels, 0), torch.zeros(spk_dim))
+
+    def to(self, device: torch.device | str) -> VoicePrompt:
+        return VoicePrompt(self.codes.to(device), self.mel.to(device), self.xvector.to(device))
+
+
+class NsfSource:
+    """HiFT's harmonic-plus-noise excitation, continuable: frames of f0 in, source samples out.
+
+    Harmonic k (1..harmonics+1) advances hop * ((k f0 / sr) mod 1) cycles per frame; the cycle count at
+    each frame's centre is the running sum (float64), linearly interpolated to the samples between centres
+    as `F.interpolate(align_corners=False)` does, held flat past the first and last centre when no
+    neighbour is given. Voiced frames (f0 > threshold): alpha sin + N(0, sigma); unvoiced: N(0, alpha / 3).
+    `l_linear` (HiFT's weights) merges the harmonics, then tanh."""
+
+    def __init__(self, hift: HiFT) -> None:
+        self.cfg: HiftConfig = hift.cfg
+        self.merge = hift.m_source.l_linear
+        self.width = self.cfg.harmonics + 1
+
+    def noise(self, frames: int, generator: torch.Generator, device: torch.device | str | None = None) -> Tensor:
+        """[frames * hop, harmonics + 1] standard normals, one block of hop x width a frame, in frame order.
+        A block is a multiple of 16 numbers, so with a CPU generator (which fills uniforms in order, then
+        transforms them 16 at a time) drawing frames in pieces gives the same values as at once; a CUDA
+        generator's draws depend on how they are split, so a stream would not match the one-call decode."""
+        n = torch.randn(frames, self.cfg.hop, self.width, generator=generator, device=generator.device)
+        return n.reshape(-1, self.width).to(device)
+
+    def cycles(self, f0: Tensor, before: Tensor | None = None) -> Tensor:
+        """Cycles of each harmonic at each frame's centre, [F, width] float64, counted on from `before`
+        (the cycles at the previous frame, [width]) or from zero at the utterance start."""
+        k = torch.arange(1, self.width + 1, device=f0.device, dtype=torch.float64)
+        per_frame = self.cfg.hop * ((f0.double()[:, None] * k / self.cfg.sampling_rate) % 1)
+        c = per_frame.cumsum(0)
+        return c if before is None else c + before
+
+    def __call__(self, f0: Tensor, noise: Tensor, before: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """f0 [F] (Hz), noise [F * hop, width], `before` as in `cycles` -> (source [F * hop], cycles [F, width])."""
+        cfg, hop = self.cfg, self.cfg.hop
+        c = self.cycles(f0, before)
+        left = c[:1] if before is None else before[None]
+        ext = torch.cat([left, c, c[-1:]])  # centres -1 .. F: the first and last with their neighbour or held
+        pos = (torch.arange(c.shape[0] * hop, device=f0.device, dtype=torch.float64) + 0.5) / hop + 0.5
+        i = pos.floor().long()
+        w = (pos - i)[:, None]
+        phase = ext[i] * (1 - w) + ext[i + 1] * w
+        sines = torch.sin(2 * torch.pi * (phase - phase.floor())).to(noise.dtype)
+        uv = (f0 > cfg.voiced_threshold).to(noise.dtype).repeat_interleave(hop)[:, None]
+        std = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        excitation = cfg.nsf_alpha * sines * uv + std * noise.to(f0.device)
+        return torch.tanh(self.merge(excitation))[:, 0], c
+
+
+class CodecDecoder(nn.Module):
+    """MOSS-Speech's codec decoder (one utterance at a time, as the official code): the flow's front end
+    (`flow`), its velocity estimator, the fixed noise, HiFT. `cfg.chunk` > 0 means chunk-trained weights
+    (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt."""
+
+    def __init__(self, cfg: CodecConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or CodecConfig()
+        self.flow = FlowFrontEnd(cfg.encoder)
+        self.estimator = CausalConditionalDecoder.from_codec(cfg)
+        self.noise = FixedNoise(cfg.solver.noise_frames, cfg.solver.noise_seed, cfg.encoder.mel)
+        self.hift = HiFT(cfg.hift)
+        self.source = NsfSource(self.hift)
+
+    @property
+    def stride(self) -> int:
+        """Mel frames per code (4)."""
+        return self.cfg.encoder.stride
+
+    @property
+    def samples_per_code(self) -> int:
+        """PCM samples per code: stride x HiFT's hop (4 x 480 = 1920, 80 ms at 24 kHz)."""
+        return self.stride * self.cfg.hift.hop
+
+    def load_flow_state(self, state: dict[str, Tensor]) -> None:
+        """Load an official flow.pt / flow-chunk-*.pt state dict (front end and estimator, strictly)."""
+        self.flow.load_flow_state(state)
+        self.estimator.load_flow_state(state)
+
+    def mel(
+        self,
+        codes: Tensor | Sequence[int],
+        prompt: VoicePrompt,
+        *,
+        streaming: bool,
+        finalize: bool = True,
+        offset_frames: int = 0,
+    ) -> Tensor:
+        """The flow: log-mel [mels, frames] of `codes` in `prompt`'s voice, from frame `offset_frames` on.
+
+        streaming: chunk masks (the grid starts at the prompt's first code). finalize False: the last
+        `lookahead` codes only feed the lookahead convolution and give no frames, so the frames returned
+        are final (with chunk masks and a chunk-aligned end they never change as more codes come)."""
+        if streaming and self.cfg.chunk <= 0:
+            raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
+        device = self.device
+        codes = torch.as_tensor(codes, dtype=torch.long, device=device).reshape(-1)
+        la, p, prompt_frames = self.cfg.encoder.lookahead, prompt.codes.numel(), prompt.codes.numel() * self.stride
+        if codes.numel() < (1 if finalize else la + 1):
+            raise ValueError(f"{codes.numel()} codes: need at least {1 if finalize else la + 1}")
+        if prompt.mel.shape[1] != prompt_frames:
+            raise ValueError(f"prompt mel has {prompt.mel.shape[1]} frames, its {p} codes need {prompt_frames}")
+        tokens = torch.cat([prompt.codes.to(device), codes])[None]
+        chunk = self.cfg.chunk if streaming else 0
+        body, context = (tokens, None) if finalize else (tokens[:, :-la], tokens[:, -la:])
+        mu = self.flow(body, chunk=chunk, context=context)
+        frames = mu.shape[-1]
+        cond = torch.zeros_like(mu)
+        cond[0, :, :prompt_frames] = prompt.mel.to(mu)
+        mask = torch.ones(1, 1, frames, device=device, dtype=mu.dtype)
+        spks = self.flow.speaker(prompt.xvector.to(mu)[None])
+        mel = solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=streaming, noise=self.noise)
+        return mel[0, :, prompt_frames + offset_frames :]
+
+    def vocode(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """HiFT over a whole utterance's mel [mels, F] -> PCM [F * hop], source noise from `generator`."""
+        if generator is None:
+            generator = torch.Generator().manual_seed(DEFAULT_SEED)  # CPU: see NsfSource.noise
+        f0 = self.hift.f0_predictor(mel[None])[0]
+        source, _ = self.source(f0, self.source.noise(mel.shape[1], generator, mel.device))
+        return self.hift.decode(mel[None], source[None, None])[0]
+
+    @torch.inference_mode()
+    def whole(
+        self,
+        codes: Tensor | Sequence[int],
+        prompt: VoicePrompt,
+        generator: torch.Generator | None = None,
+        *,
+        streaming: bool | None = None,
+    ) -> Tensor:
+        """All codes in one call -> PCM [codes * 1920]. streaming defaults to the config (chunk masks for a
+        chunk-trained flow, which is what a stream of it equals); False is the official offline decode."""
+        streaming = self.cfg.chunk > 0 if streaming is None else streaming
+        return self.vocode(self.mel(codes, prompt, streaming=streaming, finalize=True), generator)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives (the fixed noise buffer stays on the CPU; `solve` copies what it needs)."""
+        return self.hift.conv_pre.weight.device

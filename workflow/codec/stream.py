@@ -1,0 +1,163 @@
+"""Streaming the codec decoder: codes in as the LM makes them, 24 kHz PCM out chunk by chunk (docs/codec.md,
+"Streaming design notes").
+
+Which design. Of the options docs/codec.md lists (the CosyVoice2 recipe with a fixed hop; CosyVoice's newer
+geometrically growing hop; GLM-4-Voice's growing blocks with the last output passed back as the prompt; a
+sliding window that re-encodes only the last tokens), this is the CosyVoice2 recipe with a fixed hop, as the
+MOSS-vendored `CosyVoice2Model.tts` runs it. It is the one the chunk checkpoints (flow-chunk-5.pt) were trained
+for, and its emitted mel frames are final: every flow call re-runs the flow on all codes so far
+with chunk masks, its last `lookahead` codes as context only, and keeps just the new frames, which (chunk masks
++ fixed noise + a chunk-aligned end) are exactly the frames a one-call decode gives. The price is that each
+call redoes the whole prefix, so a call costs more as the utterance grows (the fixed noise caps it at 300 s).
+
+When PCM comes. The chunk grid starts at the prompt's first code, so the first hop is `chunk + pad` codes,
+pad = (-prompt codes) mod chunk, and a hop is decoded once `hop + lookahead` codes past the last decoded one
+are in. So the first PCM comes after `chunk + pad + lookahead` codes (`first_codes`): 8 for chunk 5 and a
+prompt of a multiple of 5 codes (640 ms of codes), and that first PCM is 5 x 1920 - 3840 samples (240 ms; the
+last 160 ms are held for the cross-fade). Then one flow call, 400 ms of PCM, per `chunk` codes. `finish()` decodes
+the rest (fewer than hop + lookahead codes) with the lookahead read as the end of the utterance.
+
+HiFT across calls (CosyVoice2's cache, one part changed). Each call vocodes [the last `mel_cache` (8) frames
+of the previous call | the new frames], cross-fades its first 8 x 480 samples with the previous call's last
+8 x 480 (weights sin^2 and cos^2, summing to 1), and holds its own last 8 x 480 back until the next
+call or `finish()`. So after every call the PCM out is exactly (codes decoded) x 1920 - 3840 samples, whole
+chunks less the held tail, and `finish()` brings the total to codes x 1920. The changed part is the source
+cache: CosyVoice2 overwrites the head of each call's fresh NSF source with the last call's source tail, which
+hides the phase restart only until the cache runs out. Here the source is continued instead (decoder.py's
+`NsfSource`: the phase sum carried over, noise drawn once per frame in frame order from the generator given),
+so away from the cross-faded overlaps the stream gives the one-call PCM up to what HiFT's receptive field,
+wider than the 8-frame cache on each side, lets through (measured in tests/test_codec_stream.py: float noise
+from 4 frames past each overlap on). The cross-fade's weights sum to 1, not CosyVoice2's Hamming halves
+(which sum to about 1.08 and make every cross-faded 160 ms ~8 % louder, a swell each 400 ms): the two calls
+overlapping are nearly the same signal here, so an amplitude-complementary fade gives the one-call PCM.
+
+The last flow call uses chunk masks too, so the stream equals `CodecDecoder.whole()` whatever the way the codes
+arrive. CosyVoice2 (and the third-party MOSS port) run that last call with streaming=False; `final_offline`
+does that, at the price of the tail not being the one-call decode's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
+from workflow.codec.hift import DEFAULT_SEED
+
+MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
+
+
+class CodecStream:
+    """One utterance: `push(codes)` -> the PCM now final, `finish()` -> the rest. Not thread-safe."""
+
+    def __init__(
+        self,
+        decoder: CodecDecoder,
+        prompt: VoicePrompt,
+        generator: torch.Generator | None = None,
+        *,
+        mel_cache: int = MEL_CACHE,
+        final_offline: bool = False,
+        keep_mel: bool = False,
+    ) -> None:
+        cfg = decoder.cfg
+        if cfg.chunk <= 0:
+            raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
+        if mel_cache <= F0_RADIUS:
+            raise ValueError(f"mel_cache must exceed the F0 predictor's reach ({F0_RADIUS} frames), got {mel_cache}")
+        self.decoder, self.mel_cache, self.final_offline = decoder, mel_cache, final_offline
+        device = decoder.device
+        self.prompt = prompt.to(device)
+        self.generator = generator or torch.Generator().manual_seed(DEFAULT_SEED)  # CPU: see NsfSource.noise
+        self.chunk, self.lookahead = cfg.chunk, cfg.encoder.lookahead
+        self.pad = -prompt.codes.numel() % cfg.chunk
+        self.codes: list[int] = []
+        self.offset = 0  # codes whose frames went to HiFT
+        self.finished = False
+        self.emitted = 0  # PCM samples returned so far
+        self.mels: list[Tensor] | None = [] if keep_mel else None  # each flow call's new frames, if kept
+        # HiFT state; frames count from the first code (the prompt's are never vocoded)
+        self.frames = 0  # mel frames vocoded so far
+        self.start = 0  # first frame of the next HiFT call (the cached frames)
+        width, mels = decoder.source.width, cfg.encoder.mel
+        self.mel_tail = torch.zeros(mels, 0, device=device)  # frames [start - F0 context, frames)
+        self.noise_tail = torch.zeros(0, width, device=device)  # the source noise of frames [start, frames)
+        self.cycles: Tensor | None = None  # source phase (cycles) at frame start - 1; None at frame 0
+        self.held = torch.zeros(0, device=device)  # PCM of frames [start, frames), to cross-fade
+
+    @property
+    def first_codes(self) -> int:
+        """Codes needed before the first PCM: the first hop (chunk + prompt alignment pad) + lookahead."""
+        return self.chunk + self.pad + self.lookahead
+
+    def _hop(self) -> int:
+        return self.chunk + (self.pad if self.offset == 0 else 0)
+
+    @torch.inference_mode()
+    def push(self, codes: Sequence[int] | Tensor) -> Tensor:
+        """Add codes; returns the PCM that became final (possibly empty), [n * 1920 - held] samples."""
+        if self.finished:
+            raise RuntimeError("push() after finish()")
+        new = torch.as_tensor(codes).reshape(-1).tolist()
+        vocab = self.decoder.cfg.encoder.vocab_size
+        if any(not 0 <= c < vocab for c in new):
+            raise ValueError(f"codes must lie in [0, {vocab})")
+        self.codes += new
+        out = []
+        while len(self.codes) - self.offset >= self._hop() + self.lookahead:
+            hop = self._hop()
+            upto = self.offset + hop + self.lookahead
+            out.append(self._flow(self.codes[:upto], streaming=True, finalize=False, final=False))
+            self.offset += hop
+        return self._emit(out)
+
+    @torch.inference_mode()
+    def finish(self) -> Tensor:
+        """Decode the codes left (the lookahead now reads the end) and return all PCM still held."""
+        if self.finished:
+            raise RuntimeError("finish() called twice")
+        self.finished = True
+        if len(self.codes) == self.offset:  # nothing was pushed (a flow call always leaves lookahead codes)
+            return self._emit([self.held])
+        streaming = not self.final_offline
+        return self._emit([self._flow(self.codes, streaming=streaming, finalize=True, final=True)])
+
+    def _emit(self, parts: list[Tensor]) -> Tensor:
+        pcm = torch.cat(parts) if parts else self.held.new_zeros(0)
+        self.emitted += pcm.numel()
+        return pcm
+
+    def _flow(self, codes: list[int], *, streaming: bool, finalize: bool, final: bool) -> Tensor:
+        stride = self.decoder.stride
+        mel = self.decoder.mel(codes, self.prompt, streaming=streaming, finalize=finalize, offset_frames=self.offset * stride)
+        if self.mels is not None:
+            self.mels.append(mel)
+        return self._vocode(mel, final)
+
+    def _vocode(self, new: Tensor, final: bool) -> Tensor:
+        """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
+        dec, hop = self.decoder, self.decoder.cfg.hift.hop
+        a, end = self.start, self.frames + new.shape[1]
+        mel = torch.cat([self.mel_tail, new], dim=1)  # frames [first, end)
+        first = end - mel.shape[1]
+        f0 = dec.hift.f0_predictor(mel[None])[0, a - first :]  # frames before `a` are context only
+        noise = torch.cat([self.noise_tail, dec.source.noise(new.shape[1], self.generator, new.device)])
+        source, cycles = dec.source(f0, noise, self.cycles)
+        pcm = dec.hift.decode(mel[None, :, a - first :], source[None, None])[0]
+        n = self.held.numel()
+        if n:  # the new head rises as the old tail falls, the two weights summing to 1
+            rise = torch.sin(torch.pi / 2 * (torch.arange(n, device=pcm.device, dtype=torch.float64) + 0.5) / n) ** 2
+            pcm[:n] = (pcm[:n] * rise + self.held * (1 - rise)).to(pcm.dtype)
+        self.frames = end
+        if final:
+            self.held = pcm[:0]
+            return pcm
+        nxt = max(0, end - self.mel_cache)  # the next call's first frame
+        keep = (nxt - a) * hop
+        self.held = pcm[keep:]
+        self.noise_tail = noise[keep:]
+        self.cycles = cycles[nxt - a - 1] if nxt > 0 else None
+        self.mel_tail = mel[:, max(0, nxt - F0_RADIUS - 1) - first :]
+        self.start = nxt
+        return pcm[:keep]
