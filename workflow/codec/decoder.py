@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from workflow.codec.config import CodecConfig, HiftConfig, MelConfig
 from workflow.codec.encoder import FlowFrontEnd
 from workflow.codec.estimator import CausalConditionalDecoder
-from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT
+from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT, excitation
 from workflow.codec.mel import LogMel
 from workflow.codec.solver import FixedNoise, solve
 
@@ -108,10 +108,7 @@ class NsfSource:
         w = (pos - i)[:, None]
         phase = ext[i] * (1 - w) + ext[i + 1] * w
         sines = torch.sin(2 * torch.pi * (phase - phase.floor())).to(noise.dtype)
-        uv = (f0 > cfg.voiced_threshold).to(noise.dtype).repeat_interleave(hop)[:, None]
-        std = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        excitation = cfg.nsf_alpha * sines * uv + std * noise.to(f0.device)
-        return torch.tanh(self.merge(excitation))[:, 0], c
+        return torch.tanh(self.merge(excitation(sines, f0, noise.to(f0.device), cfg)))[:, 0], c
 
 
 class CodecDecoder(nn.Module):

@@ -74,6 +74,15 @@ class F0Predictor(nn.Module):
         return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
 
 
+def excitation(sines: Tensor, f0: Tensor, noise: Tensor, cfg: HiftConfig) -> Tensor:
+    """The NSF excitation from the harmonics' sines [..., F*hop, harmonics+1], the frames' f0 [..., F] and
+    standard normals shaped like the sines: voiced (f0 > threshold) alpha sin + N(0, sigma), unvoiced
+    N(0, alpha / 3)."""
+    voiced = (f0 > cfg.voiced_threshold).to(sines.dtype).repeat_interleave(cfg.hop, dim=-1)[..., None]
+    std = voiced * cfg.nsf_sigma + (1 - voiced) * cfg.nsf_alpha / 3
+    return cfg.nsf_alpha * sines * voiced + std * noise
+
+
 class SourceNSF(nn.Module):
     """The harmonic-plus-noise source at 24 kHz (SourceModuleHnNSF2 + SineGen2): f0 [B, F] -> [B, 1, F*hop].
 
@@ -98,8 +107,6 @@ class SourceNSF(nn.Module):
         rad = (f0[:, :, None] * k / cfg.sampling_rate) % 1  # [B, F, H+1]
         phase = torch.cumsum(rad, dim=1) * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * hop, scale_factor=hop, mode="linear").transpose(1, 2)
-        uv = (f0 > cfg.voiced_threshold).to(f0.dtype).repeat_interleave(hop, dim=1)[:, :, None]  # [B, T, 1]
-        noise_std = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
         # Draw as SineGen2 does, so that a seed gives the official noise: first its initial phases [B, H+1]
         # (inert, see above), then randn_like of its sines, a [B, T, H+1] view of [B, H+1, T] memory; the
         # strided fill takes a different path from a contiguous randn, hence normal_ on the same view.
@@ -107,7 +114,7 @@ class SourceNSF(nn.Module):
         dev = generator.device
         torch.rand(b, h, generator=generator, device=dev)
         noise = torch.empty(b, h, t, device=dev, dtype=phase.dtype).transpose(1, 2).normal_(generator=generator)
-        return torch.sin(phase) * cfg.nsf_alpha * uv + noise_std * noise.to(phase.device)
+        return excitation(torch.sin(phase), f0, noise.to(phase.device), cfg)
 
     def forward(self, f0: Tensor, generator: torch.Generator) -> Tensor:
         return torch.tanh(self.l_linear(self.sines(f0, generator))).transpose(1, 2)
