@@ -331,10 +331,11 @@ class TorchEngine(Engine, nn.Module):
             self._catch_up_text(b)
         elif self.held is None:  # outside any graph: those that hold read this one buffer
             self.held = self.embedding.new_zeros(self.max_batch, self.max_seq_len, self.spec.hidden_size)
-        order = None if rows == list(range(n)) else to_device(self.device, rows)
+        index = None if rows == list(range(n)) else to_device(tokens.device, rows)  # each slot's row
         by_row = tokens
-        if order is not None or b != n:  # the tokens in row order, padding rows after them
-            by_row = tokens.new_zeros(b, 2).index_copy_(0, to_device(tokens.device, rows), tokens)
+        if index is not None or b != n:  # the tokens in row order, padding rows after them
+            by_row = tokens.new_zeros(b, 2)
+            by_row[slice(0, n) if index is None else index] = tokens
 
         def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
             return self.forward_tokens(static, self.at(self.pos[:b], self.row_ids[:b], kv_len), text_head, False, hold)
@@ -342,9 +343,9 @@ class TorchEngine(Engine, nn.Module):
         text, audio = self._run(by_row[:, None], ("step", text_head, kv_len, hold), run)
         self.pos[:n] += 1
         self.slots.stepped(filled=not hold)
-        if order is not None or b != n:
-            order = torch.arange(n, device=self.device) if order is None else order
-            text, audio = (None if text is None else text[order]), audio[order]
+        if index is not None or b != n:  # back in the slots' order, padding rows dropped
+            keep = slice(0, n) if index is None else index.to(self.device)
+            text, audio = (None if text is None else text[keep]), audio[keep]
         return text, audio
 
     def release(self, slots: Sequence[int]) -> None:
