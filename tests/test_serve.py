@@ -71,6 +71,41 @@ def test_streams_joining_and_leaving_match_the_reference_alone(engine, ref):
     assert modes == {True, False}  # text-mode and audio-mode streams shared steps
 
 
+class GraphKeys:
+    """Stands in for the engine's CUDA graphs on the CPU: records each key asked for, runs fn."""
+
+    def __init__(self, engine):
+        self.graphs: dict = {}
+        engine.use_graphs, engine.graphs = True, self
+        engine._run = lambda tokens, key, fn: self.run((tuple(tokens.shape), *key), lambda: fn(tokens))
+
+    def run(self, key, fn):
+        self.graphs.setdefault(key, True)
+        return fn()
+
+
+def test_graphs_captured_ahead_are_every_one_serving_meets(engine, tiny_engine_dir):
+    """`capture` prepares every graph a serving run then asks for (a key first met mid-load is a
+    capture, or a compile, that stalls every stream), and leaves no trace: the streams' tokens
+    are those of an engine that captured nothing."""
+    ids = Ids.of(engine.spec)
+    keys = GraphKeys(engine)
+    reqs = requests(ids)
+    lengths = [len(r.prompt) for r in reqs]
+    assert engine.capture(engine.max_batch, min(lengths), [(1, n) for n in lengths]) == len(keys.graphs) > 0
+    ahead = set(keys.graphs)
+    serve(engine, reqs)
+    assert set(keys.graphs) == ahead
+    plain = load_engine(tiny_engine_dir)
+    plain.defer_text_fill = engine.defer_text_fill
+    again = requests(ids)
+    serve(plain, again)
+    assert [r.tokens for r in reqs] == [r.tokens for r in again]
+    with pytest.raises(ValueError, match="capture: 1 slot"):
+        engine.admit([0], reqs[0].prompt[None])
+        engine.capture(rows=4, shortest=16)
+
+
 def test_slots_bookkeeping_refuses_what_it_cannot_do():
     slots = Slots(max_batch=3, max_seq_len=8)
     assert slots.admit([2, 0], 5) == range(0, 2)

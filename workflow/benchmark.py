@@ -20,11 +20,14 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from workflow import artifacts, report, roofline, traffic
+from workflow.codec import timing as codec_timing
+from workflow.codec.timing import CodecTiming
 from workflow.detokenize import Batched, overlaps
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
@@ -158,6 +161,19 @@ def summarize(b: dict, concurrency: list[int], reply_len: int) -> dict:
     return out
 
 
+def first_codes(engine: Engine, prompt: torch.Tensor, ids: Ids) -> Callable[[int], None]:
+    """Runs one stream to its first k audio codes (prefill, then k - 1 audio-mode steps, each code
+    the audio head's best before end-of-speech): the engine's part of time to first audio."""
+
+    def run(k: int) -> None:
+        _, audio = engine.prefill(prompt)
+        for _ in range(k - 1):
+            code = int(audio[0, : ids.eosp].argmax())
+            _, audio = engine.decode(torch.tensor([[ids.pad, code]]), need_text=False)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", type=Path, required=True)
@@ -225,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
         detok = Batched(mel, vocode, device, bucket, time.perf_counter)  # the load's clock never waits for the device
         b["load"] = load.run(engine, detok, time.perf_counter, load_cfg, ids, p["chunk_tokens"], sampling_of(p))
         b["load"]["memory"] = load.slot_memory(engine, engine.defer_text_fill)
+    if p.get("codec"):
+        prompt = traffic.speech_prompt(1, p["prompt_len"], ids, seed=0)
+        b["codec"] = codec_timing.measure(CodecTiming.from_dict(p["codec"]), device, first_codes(engine, prompt, ids))
     b["summary"] = summarize(b, concurrency, p["num_tokens"])
     if load_cfg:
         b["summary"] |= {"streams_at_slo": b["load"]["streams_at_slo"], "ttfa_slo_ms": b["load"]["ttfa_slo_ms"]}

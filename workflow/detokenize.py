@@ -236,6 +236,18 @@ class Batched:
 
         return ready
 
+    def warm(self, rows: int, codes: int, tails_up_to: int = 8) -> int:
+        """Make now the vocoder's graphs (and compiles) that serving would meet: a batch of n chunks
+        for every bucket up to `rows`, of `codes` codes at both offsets (mel lengths alternate), and
+        the shorter last chunks of streams, fewer at once, up to `tails_up_to`. Returns the calls."""
+        calls = 0
+        for n in sorted({self.bucket(i) for i in range(1, rows + 1)}):
+            for k in range(1, codes + 1) if n <= tails_up_to else [codes]:
+                for done in (0, codes):
+                    self([(torch.zeros(k, dtype=torch.long), done)] * n)(True)
+                    calls += 1
+        return calls
+
     @torch.no_grad()
     def _run(self, chunks: list[tuple[torch.Tensor, int]]) -> None:
         codes = torch.cat([c for c, _ in chunks])  # one copy to the device, not waiting (pinned)

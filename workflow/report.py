@@ -104,7 +104,43 @@ def markdown(b: dict) -> str:
     ]
     if "load" in b:
         lines += load_markdown(b["load"])
+    if "codec" in b:
+        lines += codec_markdown(b["codec"])
     return "\n".join(lines) + "\n"
+
+
+def codec_markdown(c: dict) -> list[str]:
+    """The codec decoder's stage costs per flow call, and time to first audio with it."""
+    cfg, n = c["config"], c["parameters"]
+    lines = [
+        "",
+        "## MOSS-Speech's codec decoder (workflow/codec), per flow call",
+        "",
+        f"Preset `{cfg['preset']}`, {c['weights']} weights: front end {n['front_end'] / 1e6:.2f} M, estimator "
+        f"{n['estimator'] / 1e6:.2f} M, HiFT {n['hift'] / 1e6:.2f} M parameters; {c['steps']} ODE steps, each one "
+        f"estimator pass over 2 x batch rows (guidance). Ours: {cfg['dtype']}"
+        f"{', CUDA graphs (HiFT eager)' if c['graphs'] else ', eager'}; baseline: the official structure, float32, eager, "
+        f"batch 1. A call re-runs the flow over every code so far: the first comes after the {cfg['prompt_codes']}-code "
+        f"voice prompt and {c['first_codes']} codes, the later {cfg['later_codes']} codes further on. HiFT runs one "
+        "stream after another.",
+    ]
+    if "ttfa_ms" in c:
+        lines += [
+            "",
+            f"Time to first audio with it, one stream (prefill, {c['first_codes'] - 1} decode steps, the first chunk's "
+            f"decode): p50 {c['ttfa_ms']['p50']:.1f} ms, p99 {c['ttfa_ms']['p99']:.1f} ms.",
+        ]
+    lines += [
+        "",
+        "| variant | call | batch | codes | frames | front end ms | ODE step ms | solve ms | HiFT ms | whole call ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in c["calls"]:
+        lines.append(
+            f"| {r['variant']} | {r['call']} | {r['batch']} | {r['codes']} | {r['frames']} | {r['front_end_ms']:.2f} | "
+            f"{r['ode_step_ms']:.2f} | {r['solve_ms']:.2f} | {r['hift_ms']:.2f} | {r['chunk_ms']:.2f} |"
+        )
+    return lines
 
 
 def load_markdown(load: dict) -> list[str]:

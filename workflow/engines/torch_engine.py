@@ -37,7 +37,7 @@ from torch import nn
 
 from workflow import trtckpt
 from workflow.cudagraphs import Graphs
-from workflow.engines import attention, blocks, gemv
+from workflow.engines import ahead, attention, blocks, gemv
 from workflow.engines.base import Engine, any_text, merged_ids, to_device
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.engines.options import EngineOptions
@@ -247,19 +247,19 @@ class TorchEngine(Engine, nn.Module):
         return At(self.cos[pos], self.sin[pos], pos, rows, mask)
 
     def forward_tokens(
-        self, tokens: torch.Tensor, at: At, need_text: bool, all_logits: bool, hold: bool = False
+        self, tokens: torch.Tensor, at: At, need_text: bool, all_logits: bool, hold: bool = False, step: Callable | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens [B, T, 2] (text id, audio id) where `at` puts them -> both heads' logits.
-        hold: no text branch, the trunk output kept in `held` for `_catch_up_text`."""
+        hold: no text branch, the trunk output kept in `held` for `_catch_up_text`. step: as `Layer.forward`'s."""
         x = F.embedding(merged_ids(tokens, self.spec), self.embedding)
         for layer in self.trunk:
-            x = layer(x, at)
+            x = layer(x, at, step)
         if hold:
             self.held[at.rows, at.pos] = x
-        text = x if hold else self._text_branch(x, at)
+        text = x if hold else self._text_branch(x, at, step)
         audio = x
         for layer in self.audio_block:
-            audio = layer(audio, at)
+            audio = layer(audio, at, step)
         if not all_logits:
             text, audio = text[:, -1], audio[:, -1]
         eps, fused = self.spec.rms_norm_eps, self.options.gemv
@@ -288,6 +288,10 @@ class TorchEngine(Engine, nn.Module):
         first = to_device(self.device, slots.filled + [0] * (b - slots.n))
         pos = (first[:, None] + self.positions[None, :r]).clamp_(max=self.max_seq_len - 1)
         self.catch_up_pos[:b, :r].copy_(pos)
+        self._fill_text(b, r, kv_len)
+
+    def _fill_text(self, b: int, r: int, kv_len: int) -> None:
+        """The catch-up itself, at the positions `catch_up_pos` holds."""
 
         def fill() -> torch.Tensor:
             pos, rows = self.catch_up_pos[:b, :r], self.row_ids[:b]
@@ -337,16 +341,26 @@ class TorchEngine(Engine, nn.Module):
             by_row = tokens.new_zeros(b, 2)
             by_row[slice(0, n) if index is None else index] = tokens
 
-        def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return self.forward_tokens(static, self.at(self.pos[:b], self.row_ids[:b], kv_len), text_head, False, hold)
-
-        text, audio = self._run(by_row[:, None], ("step", text_head, kv_len, hold), run)
+        text, audio = self._run(by_row[:, None], ("step", text_head, kv_len, hold), self._decode(b, kv_len, text_head, hold))
         self.pos[:n] += 1
         self.slots.stepped(filled=not hold)
         if index is not None or b != n:  # back in the slots' order, padding rows dropped
             keep = slice(0, n) if index is None else index.to(self.device)
             text, audio = (None if text is None else text[keep]), audio[keep]
         return text, audio
+
+    def capture(self, rows: int, shortest: int, admissions: Sequence[tuple[int, int]] = ()) -> int:
+        """Serving's graphs made ahead (`ahead.capture`); the number captured."""
+        return ahead.capture(self, rows, shortest, admissions)
+
+    def _decode(self, b: int, kv_len: int, text_head: bool, hold: bool, step: Callable | None = None) -> Callable:
+        """A decode step of rows 0..b-1 at their positions, as a function of the tokens on the device."""
+
+        def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+            at = self.at(self.pos[:b], self.row_ids[:b], kv_len)
+            return self.forward_tokens(static, at, text_head, False, hold, step)
+
+        return run
 
     def release(self, slots: Sequence[int]) -> None:
         for src, dst in self.slots.release(slots):

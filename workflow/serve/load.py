@@ -199,6 +199,21 @@ def timeline(req: Request, chunk_s: float) -> dict:
     }
 
 
+def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chunk_tokens: int) -> None:
+    """Before any level: the engine's decode and admission graphs for every shape the levels can
+    meet, and the detokenizer's for every batch (where they have them), so that no stream
+    stalls while one is captured or compiled mid-level."""
+    t0, graphs, calls = time.perf_counter(), 0, 0
+    if capture := getattr(engine, "capture", None):
+        admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
+        graphs = capture(cfg.slots, cfg.prompt_len, admissions)
+    if warm := getattr(detokenize, "warm", None):
+        calls = warm(cfg.slots, chunk_tokens)
+    if graphs or calls:
+        took = time.perf_counter() - t0
+        print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
+
+
 def run(
     engine: Engine,
     detokenize: Detokenize | None,
@@ -210,6 +225,7 @@ def run(
 ) -> dict:
     """Every level, one after another; the answer and one stream's timeline."""
     levels, example = [], None
+    prepare(engine, detokenize, cfg, chunk_tokens)
     if cfg.warmup_s and cfg.closed:
         warm = LoadConfig(**(cfg.__dict__ | {"duration_s": cfg.warmup_s}))
         level = Level(warm, "closed", max(cfg.closed), ids, torch.Generator().manual_seed(cfg.seed - 1))

@@ -1,0 +1,43 @@
+"""The codec section of the benchmark: what it times is the decoder's own computation, at every
+call position, variant and batch it was asked for."""
+
+import pytest
+import torch
+
+from workflow.codec.solver import solve
+from workflow.codec.timing import CodecTiming, Runner, decoders, measure
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@torch.no_grad()
+def test_the_timed_stages_are_the_decoders_own_computation():
+    ours, base = decoders(CodecTiming(), torch.device("cpu"))
+    run = Runner(ours, batch=2, body=15, prompt_codes=10, graphs=False)
+    mu = ours.flow(run.tokens, chunk=ours.cfg.chunk, context=run.context)  # with its argument checks
+    assert torch.equal(run.front_end(), mu) and mu.shape == (2, 80, 60)
+    want = solve(ours.estimator, mu, run.mask, run.spks, run.cond, ours.cfg.solver, True, ours.noise)
+    assert torch.equal(run.solve(), want)
+    assert run.ode_step().shape == (4, 80, 60)  # guidance: the conditioned and unconditioned halves
+    pcm = run.hift()
+    assert len(pcm) == 2 and pcm[0].shape == ((8 + 20) * 480,)
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), ours.state_dict().values(), strict=True))
+
+
+def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engine():
+    reached = []
+    out = measure(CodecTiming(batches=(1, 3), repeat=1), torch.device("cpu"), reached.append)
+    got = {(r["variant"], r["call"], r["batch"]) for r in out["calls"]}
+    assert got == {("ours", c, b) for c in ("first", "later") for b in (1, 3)} | {("baseline", c, 1) for c in ("first", "later")}
+    first = next(r for r in out["calls"] if r["call"] == "first")
+    later = next(r for r in out["calls"] if r["call"] == "later")
+    assert first["codes"] == 10 + 5 + 3 and later["codes"] == first["codes"] + 20 and first["frames"] == 4 * 15
+    assert all(r[k] > 0 for r in out["calls"] for k in r if k.endswith("_ms"))
+    assert out["first_codes"] == 8 and set(reached) == {8} and out["ttfa_ms"]["n"] == 1
+
+
+def test_codec_settings_name_what_is_wrong():
+    with pytest.raises(ValueError, match="unknown key"):
+        CodecTiming.from_dict({"presets": "full"})
+    with pytest.raises(ValueError, match="'huge' is not one of tiny, full"):
+        CodecTiming.from_dict({"preset": "huge"})

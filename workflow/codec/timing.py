@@ -1,0 +1,188 @@
+"""What the codec decoder's stream costs, stage by stage: the benchmark's `codec` section.
+
+A stream's flow call (stream.py) re-runs the flow front end on every code so far (prompt first,
+the last `lookahead` codes as context), integrates the ODE over all those frames (each step one
+estimator pass at 2B rows: classifier-free guidance), keeps the 20 new frames, and HiFT vocodes
+them with its 8 cached ones. So a call costs more the later it comes. Two calls are timed: the
+first chunk (the prompt + chunk + lookahead codes) and one `later_codes` into the reply; each at
+every batch in `batches` (streams whose calls fall due together, the same length here).
+
+Two ways to run it, on the same random weights of the preset's shape:
+- `baseline`: the official code's structure, float32 and eager, one stream at a time (batch 1);
+- ours: `dtype`, and on CUDA the front end, one ODE step and the whole solve each replayed from a
+  CUDA graph per shape (HiFT stays eager: torch.istft checks its window on the host, which a
+  graph cannot hold).
+
+`ttfa_ms`: one stream end to end at batch 1, the engine's prefill and decode steps to the first
+chunk's codes, then that chunk's decode with our runner: time to first audio with the real
+decoder, the stream's host bookkeeping (stream.py) left out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from workflow import roofline
+from workflow.codec.config import CodecConfig
+from workflow.codec.decoder import CodecDecoder
+from workflow.codec.solver import solve
+from workflow.report import percentiles
+
+PRESETS = {"tiny": CodecConfig.tiny, "full": CodecConfig}
+
+
+@dataclass(frozen=True)
+class CodecTiming:
+    preset: str = "tiny"  # tiny | full (the true shape), random weights
+    dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow; HiFT stays float32)
+    prompt_codes: int = 10  # the voice prompt's codes (a multiple of the chunk keeps the grid aligned)
+    later_codes: int = 20  # where the later call falls: codes of the reply already decoded
+    batches: tuple[int, ...] = (1, 2)
+    repeat: int = 3
+    baseline: bool = True  # also time the official structure (float32, eager, batch 1)
+    seed: int = 0
+    graphs: bool = True  # CUDA only
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CodecTiming:
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"benchmark.codec: unknown key(s) {', '.join(unknown)}")
+        if d.get("preset", "tiny") not in PRESETS:
+            raise ValueError(f"benchmark.codec.preset: '{d['preset']}' is not one of {', '.join(PRESETS)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+class Runner:
+    """One flow call and its HiFT, batched over streams of one length, each stage a callable."""
+
+    def __init__(self, dec: CodecDecoder, batch: int, body: int, prompt_codes: int, graphs: bool):
+        cfg, dev = dec.cfg, dec.device
+        dtype = dec.estimator.final_proj.weight.dtype
+        g = torch.Generator().manual_seed(batch * 7919 + body)
+        la, stride = cfg.encoder.lookahead, cfg.encoder.stride
+        self.dec, self.batch, self.frames = dec, batch, body * stride
+        self.tokens = torch.randint(0, 16384, (batch, body), generator=g).to(dev)
+        self.context = torch.randint(0, 16384, (batch, la), generator=g).to(dev)
+        self.lengths = torch.full((batch,), body, device=dev)
+        self.spks = dec.flow.speaker(torch.randn(batch, cfg.encoder.spk_dim, generator=g).to(dev, dtype))
+        self.cond = torch.zeros(batch, cfg.encoder.mel, self.frames, device=dev, dtype=dtype)
+        self.cond[:, :, : prompt_codes * stride] = torch.randn(cfg.encoder.mel, prompt_codes * stride, generator=g).to(dev)
+        self.mask = torch.ones(batch, 1, self.frames, device=dev, dtype=dtype)
+        self.mu = self.front_end()
+        self.new = cfg.chunk * stride  # the frames a call keeps
+        two = (torch.cat([v, v]) for v in (self.mask, self.mu, self.spks, self.cond))
+        self.pass_args = (torch.randn(2 * batch, cfg.encoder.mel, self.frames, generator=g).to(dev, dtype), *two)
+        self.t = torch.full((2 * batch,), 0.5, device=dev, dtype=dtype)
+        self.stages: dict[str, Callable[[], object]] = {
+            "front_end": self.front_end,
+            "ode_step": self.ode_step,
+            "solve": self.solve,
+        }
+        if graphs:
+            self.stages = {name: graphed(fn) for name, fn in self.stages.items()}
+        self.stages["hift"] = self.hift
+
+    @torch.no_grad()
+    def front_end(self) -> torch.Tensor:
+        """mu: FlowFrontEnd.forward less its argument checks (they read the device on the host)."""
+        f = self.dec.flow
+        x, ctx = f.input_embedding(self.tokens), f.input_embedding(self.context)
+        return f.encoder_proj(f.encoder(x, self.lengths, self.dec.cfg.chunk, ctx)).transpose(1, 2)
+
+    @torch.no_grad()
+    def ode_step(self) -> torch.Tensor:
+        """One estimator pass over 2B rows (the conditioned and the unconditioned half)."""
+        x, mask, mu, spks, cond = self.pass_args
+        return self.dec.estimator(x, mask, mu, self.t, spks, cond, streaming=True)
+
+    @torch.no_grad()
+    def solve(self) -> torch.Tensor:
+        cfg = self.dec.cfg
+        return solve(self.dec.estimator, self.mu, self.mask, self.spks, self.cond, cfg.solver, True, self.dec.noise)
+
+    @torch.no_grad()
+    def hift(self) -> list[torch.Tensor]:
+        """HiFT over each stream's 8 cached + new frames (float32, the NSF source included), one
+        stream after another: `CodecDecoder.vocode` takes one."""
+        mel = torch.randn(self.dec.cfg.encoder.mel, 8 + self.new, device=self.dec.device)
+        return [self.dec.vocode(mel) for _ in range(self.batch)]
+
+    def chunk(self) -> None:
+        """The whole call: front end, solve, HiFT."""
+        for name in ("front_end", "solve", "hift"):
+            self.stages[name]()
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn replayed from one CUDA graph (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def decoders(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, CodecDecoder | None]:
+    """Ours (t.dtype; HiFT float32) and the baseline (float32), one set of random weights."""
+    torch.manual_seed(t.seed)
+    base = CodecDecoder(PRESETS[t.preset]()).eval().to(device)
+    base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
+    ours = CodecDecoder(base.cfg).eval().to(device)
+    ours.load_state_dict(base.state_dict())
+    dtype = getattr(torch, t.dtype)
+    ours.flow.to(dtype)
+    ours.estimator.to(dtype)
+    ours.noise.buffer = base.noise.buffer
+    return ours, (base if t.baseline else None)
+
+
+def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], object] | None = None) -> dict:
+    """The codec section: parameters, each stage's ms per call position, variant and batch, and
+    (first_codes given: it runs the engine to a stream's first k codes) time to first audio, the
+    engine's part and the first chunk's decode timed as one."""
+    ours, base = decoders(t, device)
+    cfg = ours.cfg
+    la, chunk = cfg.encoder.lookahead, cfg.chunk
+    calls = {"first": t.prompt_codes + chunk, "later": t.prompt_codes + t.later_codes + chunk}  # body codes
+    graphs = t.graphs and device.type == "cuda"
+    rows = []
+    variants = [("ours", ours, t.batches, graphs)] + ([("baseline", base, (1,), False)] if base else [])
+    for variant, dec, batches, use_graphs in variants:
+        for call, body in calls.items():
+            for batch in batches:
+                run = Runner(dec, batch, body, t.prompt_codes, use_graphs)
+                row = {"variant": variant, "call": call, "batch": batch, "codes": body + la, "frames": run.frames}
+                for name, fn in [*run.stages.items(), ("chunk", run.chunk)]:
+                    row[f"{name}_ms"] = roofline.median(roofline.timed_ms(fn, device, t.repeat, warmup=1))
+                rows.append(row)
+                del run
+    out = {
+        "config": asdict(t),
+        "weights": "random",
+        "parameters": {
+            "front_end": sum(p.numel() for p in ours.flow.parameters()),
+            "estimator": sum(p.numel() for p in ours.estimator.parameters()),
+            "hift": sum(p.numel() for p in ours.hift.parameters()),
+        },
+        "graphs": graphs,  # whether ours ran from CUDA graphs (asked for, and on CUDA)
+        "steps": cfg.solver.steps,
+        "first_codes": chunk + la,
+        "calls": rows,
+    }
+    if first_codes is not None:
+        run = Runner(ours, 1, calls["first"], t.prompt_codes, graphs)
+
+        def first_audio() -> None:
+            first_codes(chunk + la)
+            run.chunk()
+
+        out["ttfa_ms"] = percentiles(roofline.timed_ms(first_audio, device, t.repeat, warmup=1))
+    return out
