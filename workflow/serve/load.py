@@ -204,6 +204,8 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     meet, and the detokenizer's for every batch (where they have them), so that no stream
     stalls while one is captured or compiled mid-level."""
     t0, graphs, calls = time.perf_counter(), 0, 0
+    if engine.active():  # what ran before (the streams benchmark) ends: the load starts from free slots
+        engine.release(engine.active())
     if capture := getattr(engine, "capture", None):
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(cfg.slots, cfg.prompt_len, admissions)
