@@ -8,8 +8,8 @@ Traffic (`LoadConfig`, the config's `benchmark.load`), from a fixed seed:
   the mean reply length.
 Every reply is `reply_seconds` of audio (uniform in the range, 80 ms a code); every prompt is
 `prompt_len` tokens ending in start-of-speech. A level runs `duration_s` of arrivals, then the
-streams in flight finish; `warmup_s` of the largest closed level comes first, not recorded (it
-captures the CUDA graphs of the batch sizes and attention spans the levels meet).
+streams in flight finish. Before the first level, `prepare` makes every CUDA graph the levels
+can meet; `warmup_s` of the largest closed level may come first too, not recorded.
 
 Figures per level, with the definitions of docs/DESIGN (shared by every result file):
 - time to first audio (TTFA): a request's arrival to its first chunk's PCM ready;
@@ -44,7 +44,7 @@ class LoadConfig:
     closed: tuple[int, ...] = (1, 4)  # users held, one level each
     rates: tuple[float, ...] = ()  # open-loop arrivals per second, one level each
     duration_s: float = 10.0  # of arrivals, per level
-    warmup_s: float = 0.0  # a first run of the largest closed level, not recorded (captures its CUDA graphs)
+    warmup_s: float = 0.0  # a first run of the largest closed level, not recorded (graphs are made ahead: `prepare`)
     reply_seconds: tuple[float, float] = (4.0, 20.0)
     prompt_len: int = 512
     ttfa_slo_ms: float = 200.0
