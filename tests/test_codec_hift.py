@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 from workflow.codec.config import CodecConfig, HiftConfig, MelConfig
-from workflow.codec.hift import HiFT, Snake, fold_weight_norm, hift_state_dict
+from workflow.codec.hift import HiFT, Snake, fold_weight_norm, hift_state_dict, istft
 from workflow.codec.mel import LogMel, hz_to_mel, log_mel, mel_filterbank, mel_to_hz
 
 TINY = CodecConfig.tiny().hift
@@ -371,3 +371,14 @@ def test_pure_tone_lands_in_its_mel_band(tone_hz: float):
     centres = mel_to_hz(torch.linspace(0, float(top), cfg.mels + 2, dtype=torch.float64))[1:-1]
     assert int(mel.argmax()) == int((centres - tone_hz).abs().argmin())
     assert mel.max() - mel.median() > 5  # the tone stands well above the rest (in nats)
+
+
+def test_istft_is_torchs_without_a_host_sync():
+    """HiFT's own iSTFT (a CUDA graph can hold it) gives torch.istft's samples: centred, onesided,
+    the window's squared overlap divided out, n_fft/2 trimmed at each end."""
+    window = torch.hann_window(TINY.istft_n_fft)
+    spec = torch.randn(3, TINY.istft_n_fft // 2 + 1, 40, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+    want = torch.istft(spec, TINY.istft_n_fft, TINY.istft_hop, TINY.istft_n_fft, window)
+    got = istft(spec, TINY.istft_hop, window)
+    assert got.shape == want.shape == (3, TINY.istft_hop * 39)
+    assert torch.allclose(got, want, atol=1e-6)

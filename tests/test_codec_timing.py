@@ -19,8 +19,8 @@ def test_the_timed_stages_are_the_decoders_own_computation():
     want = solve(ours.estimator, mu, run.mask, run.spks, run.cond, ours.cfg.solver, True, ours.noise)
     assert torch.equal(run.solve(), want)
     assert run.ode_step().shape == (4, 80, 60)  # guidance: the conditioned and unconditioned halves
-    pcm = run.hift()
-    assert len(pcm) == 2 and pcm[0].shape == ((8 + 20) * 480,)
+    want, _ = ours.hift(run.mel, generator=torch.Generator().manual_seed(0))  # HiFT's own forward, the same noise
+    assert torch.equal(run.hift(), want) and want.shape == (2, (8 + 20) * 480)
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), ours.state_dict().values(), strict=True))
 
 

@@ -189,7 +189,7 @@ def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):
     got: list[tuple[list[int], int]] = []
     cfg = ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True))
 
-    def detokenize(chunks):
+    def detokenize(chunks, urgent):
         got.extend((c.tolist(), d) for c, d in chunks)
         return lambda wait: 1.0
 
@@ -202,31 +202,36 @@ def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):
     assert [c for chunk, _ in got for c in chunk] == req.codes
 
 
-def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir):
+@pytest.mark.parametrize("apart", [False, True], ids=["first_chunks_batched", "first_chunks_apart"])
+def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir, apart):
     """Chunks whose PCM is not known to be ready leave the loop going: two batches run at once,
     later chunks wait and go together; all are stamped, in the order made, once their ready
-    times are known (flush sends what waits and waits for it)."""
+    times are known (flush sends what waits and waits for it). With `first_chunks_apart` the
+    streams' first chunks go at once, on the urgent lane, and do not count among the two."""
     engine = load_engine(tiny_engine_dir)
     ids = Ids.of(engine.spec)
     reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=17, reply_codes=17) for i in range(2)]
-    batches: list[int] = []
+    batches: list[tuple[int, bool]] = []
 
-    def detokenize(chunks):
+    def detokenize(chunks, urgent):
         t = float(len(batches))
-        batches.append(len(chunks))
+        batches.append((len(chunks), urgent))
         return lambda wait: t if wait else None  # never known until asked to wait
 
-    sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True)), detokenize=detokenize)
+    cfg = ServeConfig(chunk_tokens=4, first_chunks_apart=apart, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize)
     for r in reqs:
         sched.submit(r)
     while not sched.idle():
         sched.iterate()
-    assert batches == [2, 2] and len(sched.outbox) == 6  # two batches running: three chunks a stream wait
+    sent = [(2, apart), (2, False)] + ([(2, False)] if apart else [])
+    assert batches == sent and len(sched.outbox) == 2 * (5 - len(sent))  # the rest of 5 chunks a stream wait
     assert all(r.error is None and len(r.codes) == 17 and not r.stamped and not r.chunk_ready for r in reqs)
     sched.flush()
-    assert batches == [2, 2, 6] and not sched.outbox
+    assert batches == [*sent, (len(sched.done) * (5 - len(sent)), False)] and not sched.outbox
     assert all(r.stamped and r.chunk_codes == [4, 4, 4, 4, 1] for r in reqs)
-    assert reqs[0].chunk_ready == reqs[1].chunk_ready == [0.0, 1.0, 2.0, 2.0, 2.0]
+    ready = [float(i) for i in range(len(sent))] + [float(len(sent))] * (5 - len(sent))
+    assert reqs[0].chunk_ready == reqs[1].chunk_ready == ready
 
 
 def test_serving_detokenizer_batches_chunks_by_frame_count():

@@ -4,8 +4,11 @@ The caller owns static input buffers: it copies each call's inputs into them, th
 the graph of that key; the first request warms up on a side stream (where torch.compile and
 cuBLAS may allocate and choose kernels) and captures, later ones replay.
 
-Capture runs on a high-priority stream (CAPTURE_PRIORITY): PyTorch instantiates graphs with
-per-node priorities, so a step's own kernels keep that priority over default-priority work.
+Capture runs on a high-priority stream: PyTorch instantiates graphs with per-node priorities,
+so a graph's kernels keep its capture stream's priority wherever it is replayed. That priority
+is CAPTURE_PRIORITY, above default-priority work, or the current stream's if that is higher
+(the detokenizer's urgent lane): a caller that replays one shape on streams of different
+priorities keys its graphs by priority too.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Graphs:
                 fn()
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            capture = torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
+            capture = torch.cuda.Stream(self.device, priority=min(CAPTURE_PRIORITY, current.priority))
             with torch.cuda.graph(graph, pool=self.pool, stream=capture):
                 out = fn()
             self.pool = graph.pool()

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workflow.cudagraphs import CAPTURE_PRIORITY
+
 Clock = Callable[[], float]
 Stamp = Callable[[], float]  # a time taken at some point, read (as host seconds) after finish()
 Mel = Callable[[torch.Tensor, int], torch.Tensor]  # (codes [B, K], codes before them) -> mel [B, M, F]
@@ -200,10 +202,12 @@ class Batched:
     chunk's mel at its own offset, then the vocoder once per frame count (a chunk's mel is 37 or
     38 frames) over every chunk of it, the batch padded to bucket(n) rows (a CUDA graph each).
 
-    On CUDA the work goes to a side stream of the highest priority and the call returns at once:
-    the codes come from the host, so nothing waits for decoding, and decoding goes on beside the
-    vocoder. The batch's ready time is a CUDA event read once complete and put on the host clock
-    through an anchor event (`host_time`), recorded on an idle stream (it completes at once) and
+    On CUDA the work goes to a side stream (a lane) and the call returns at once: the codes come
+    from the host, so nothing waits for decoding, and decoding goes on beside the vocoder. Later
+    chunks run at the decode graphs' priority; `urgent` ones (streams' first chunks: time to
+    first audio waits on them) on a lane of the highest priority, which the GPU serves first. The
+    batch's ready time is a CUDA event read once complete and put on the host clock through an
+    anchor event (`host_time`), recorded on an idle stream (it completes at once) and
     renewed every `anchor_s`, as the GPU's and the host's clocks drift apart (parts per million).
     On the CPU it runs in line and the clock is read after it."""
 
@@ -214,19 +218,23 @@ class Batched:
         self.mel, self.vocoder, self.device, self.bucket, self.clock = mel, vocoder, device, bucket, clock
         self.anchor_s, self.anchor, self.t_anchor = anchor_s, None, -float("inf")
         cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device, priority=-100) if cuda else None  # clamped to the highest there is
+        # two lanes: later chunks at the decode graphs' priority, first chunks (urgent) above both
+        # (-100 is clamped to the highest there is); a graph captured on a lane keeps its priority
+        lanes = {False: CAPTURE_PRIORITY, True: -100}
+        self.lanes = {urgent: torch.cuda.Stream(device, priority=p) for urgent, p in lanes.items()} if cuda else {}
         self.idle = torch.cuda.Stream(device) if cuda else None
 
-    def __call__(self, chunks: list[tuple[torch.Tensor, int]]) -> Ready:
-        if self.side is None:
+    def __call__(self, chunks: list[tuple[torch.Tensor, int]], urgent: bool = False) -> Ready:
+        if not self.lanes:
             self._run(chunks)
             t = self.clock()
             return lambda wait: t
         anchor, t_anchor = self._anchor()
         done = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.side):  # what is allocated here belongs to the side stream
+        lane = self.lanes[urgent]
+        with torch.cuda.stream(lane):  # what is allocated here belongs to the lane's stream
             self._run(chunks)
-            done.record(self.side)
+            done.record(lane)
 
         def ready(wait: bool) -> float | None:
             if not wait and not done.query():
@@ -236,22 +244,23 @@ class Batched:
 
         return ready
 
-    def warm(self, rows: int, codes: int, tails_up_to: int = 8) -> int:
+    def warm(self, rows: int, codes: int, few: int = 8) -> int:
         """Make now the vocoder's graphs (and compiles) that serving would meet: a batch of n chunks
         for every bucket up to `rows`, of `codes` codes at both offsets (mel lengths alternate), and
-        the shorter last chunks of streams, fewer at once, up to `tails_up_to`. Returns the calls."""
+        the shorter last chunks of streams, fewer at once, up to `few`; on the urgent lane, up to
+        `few` first chunks. Returns the calls."""
         calls = 0
         for n in sorted({self.bucket(i) for i in range(1, rows + 1)}):
-            for k in range(1, codes + 1) if n <= tails_up_to else [codes]:
-                for done in (0, codes):
-                    self([(torch.zeros(k, dtype=torch.long), done)] * n)(True)
-                    calls += 1
+            batches = [(k, done, False) for k in (range(1, codes + 1) if n <= few else [codes]) for done in (0, codes)]
+            for k, done, urgent in batches + ([(codes, 0, True)] if n <= few and self.lanes else []):
+                self([(torch.zeros(k, dtype=torch.long), done)] * n, urgent)(True)
+                calls += 1
         return calls
 
     @torch.no_grad()
     def _run(self, chunks: list[tuple[torch.Tensor, int]]) -> None:
         codes = torch.cat([c for c, _ in chunks])  # one copy to the device, not waiting (pinned)
-        codes = (codes.pin_memory() if self.side is not None else codes).to(self.device, non_blocking=True)
+        codes = (codes.pin_memory() if self.lanes else codes).to(self.device, non_blocking=True)
         groups: dict[int, list[torch.Tensor]] = {}
         for part, (_, done) in zip(codes.split([len(c) for c, _ in chunks]), chunks, strict=True):
             m = self.mel(part[None], done)

@@ -118,11 +118,11 @@ def codec_markdown(c: dict) -> list[str]:
         "",
         f"Preset `{cfg['preset']}`, {c['weights']} weights: front end {n['front_end'] / 1e6:.2f} M, estimator "
         f"{n['estimator'] / 1e6:.2f} M, HiFT {n['hift'] / 1e6:.2f} M parameters; {c['steps']} ODE steps, each one "
-        f"estimator pass over 2 x batch rows (guidance). Ours: {cfg['dtype']}"
-        f"{', CUDA graphs (HiFT eager)' if c['graphs'] else ', eager'}; baseline: the official structure, float32, eager, "
-        f"batch 1. A call re-runs the flow over every code so far: the first comes after the {cfg['prompt_codes']}-code "
-        f"voice prompt and {c['first_codes']} codes, the later {cfg['later_codes']} codes further on. HiFT runs one "
-        "stream after another.",
+        f"estimator pass over 2 x batch rows (guidance). Ours: {cfg['dtype']}, "
+        + ("CUDA graphs (HiFT: its network; its NSF source eager)" if c["graphs"] else "eager")
+        + "; baseline: the official structure, float32, eager, batch 1. A call re-runs the flow over every code so "
+        f"far: the first comes after the {cfg['prompt_codes']}-code voice prompt and {c['first_codes']} codes, the "
+        f"later {cfg['later_codes']} codes further on. HiFT runs every stream's frames in one call.",
     ]
     if "ttfa_ms" in c:
         lines += [
@@ -143,6 +143,9 @@ def codec_markdown(c: dict) -> list[str]:
     return lines
 
 
+FIRST = "detokenize first"  # the device_busy phase of the detokenizer's urgent lane (serve/scheduler.py)
+
+
 def load_markdown(load: dict) -> list[str]:
     """The load benchmark's table and its answer."""
     c, mem = load["config"], load["memory"]
@@ -159,10 +162,11 @@ def load_markdown(load: dict) -> list[str]:
         + f"; at most {c['prefill_tokens']} prompt tokens admitted per iteration.",
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
-        "sample, decode on the decoding stream; detokenizer on its own, beside it).",
+        "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
+        "streams' first chunks).",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
-        "device: prefill / sample / decode / detok. | slots in use | refused / failed |",
+        "device: prefill / sample / decode / detok. (first) | slots in use | refused / failed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in load["levels"]:
@@ -171,7 +175,8 @@ def load_markdown(load: dict) -> list[str]:
         lines.append(
             f"| {what} | {lv['offered_streams']:.0f} | {lv['requests']} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} "
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
-            f"| {' / '.join(f'{d.get(k, 0.0):.2f}' for k in ('prefill', 'sample', 'decode', 'detokenize'))} "
+            f"| {' / '.join(f'{d.get(k, 0.0):.2f}' for k in ('prefill', 'sample', 'decode', 'detokenize'))}"
+            f"{f' ({d[FIRST]:.2f})' if FIRST in d else ''} "
             f"| {lv['mean_active_slots']:.1f} | {lv['refused']} / {lv['failed']} |"
         )
     return lines

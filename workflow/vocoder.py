@@ -154,8 +154,8 @@ def _build(bigvgan, h, fused: bool, device: torch.device):
 
 
 class Graphed:
-    """Replays a module from one CUDA graph per input shape (a chunk's mel is 37 or 38 frames);
-    on the CPU it just calls it."""
+    """Replays a module from one CUDA graph per input shape (a chunk's mel is 37 or 38 frames) and
+    stream priority (each lane of the detokenizer has its own); on the CPU it just calls it."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device):
         self.module, self.device = module, device
@@ -165,7 +165,7 @@ class Graphed:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.module(x)
-        key = tuple(x.shape)
+        key = (tuple(x.shape), torch.cuda.current_stream(self.device).priority)
         static = self.inputs.setdefault(key, torch.empty_like(x))
         static.copy_(x)
         return self.graphs.run(key, lambda: self.module(static)).clone()

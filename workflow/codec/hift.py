@@ -178,7 +178,7 @@ class HiFT(nn.Module):
         x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as in the official code
         magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
         phase = torch.sin(x[:, n_fft // 2 + 1 :])
-        pcm = torch.istft(torch.polar(magnitude, phase), n_fft, cfg.istft_hop, n_fft, self.window)
+        pcm = istft(torch.polar(magnitude, phase), cfg.istft_hop, self.window)
         return pcm.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     def forward(
@@ -191,6 +191,24 @@ class HiFT(nn.Module):
         if cache_source is not None and cache_source.shape[-1]:
             s = torch.cat([cache_source.to(s), s[:, :, cache_source.shape[-1] :]], dim=-1)
         return self.decode(mel, s), s
+
+
+def istft(spec: Tensor, hop: int, window: Tensor) -> Tensor:
+    """torch.istft(spec, n_fft, hop, window=window) (centred, onesided, win_length n_fft) for spec [B,
+    n_fft/2+1, T] -> [B, hop * (T - 1)], with no host synchronisation, so that a CUDA graph can hold
+    it: torch.istft checks the window's overlap on the host. The window's squared overlap-add, which
+    the frames are divided by, is made from the window alone; this one's (a Hann window, hop n_fft/4)
+    is never near zero inside the trimmed span."""
+    n_fft, frames = window.numel(), spec.shape[-1]
+    length = n_fft + hop * (frames - 1)
+
+    def overlap_add(x: Tensor) -> Tensor:  # [B, n_fft, T] -> [B, length]
+        return F.fold(x, (1, length), (1, n_fft), stride=(1, hop)).reshape(x.shape[0], length)
+
+    x = torch.fft.irfft(spec, n=n_fft, dim=1) * window[:, None]
+    envelope = overlap_add((window**2)[None, :, None].expand(1, n_fft, frames))
+    half = n_fft // 2
+    return overlap_add(x)[:, half : length - half] / envelope[:, half : length - half]
 
 
 def fold_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -9,9 +9,10 @@ every batch in `batches` (streams whose calls fall due together, the same length
 
 Two ways to run it, on the same random weights of the preset's shape:
 - `baseline`: the official code's structure, float32 and eager, one stream at a time (batch 1);
+  HiFT there is the same batched call, eager;
 - ours: `dtype`, and on CUDA the front end, one ODE step and the whole solve each replayed from a
-  CUDA graph per shape (HiFT stays eager: torch.istft checks its window on the host, which a
-  graph cannot hold).
+  CUDA graph per shape; HiFT (float32) runs every stream's frames at once, its network and iSTFT
+  from a graph, its NSF source eager (its noise comes from a generator).
 
 `ttfa_ms`: one stream end to end at batch 1, the engine's prefill and decode steps to the first
 chunk's codes, then that chunk's decode with our runner: time to first audio with the real
@@ -81,8 +82,15 @@ class Runner:
             "ode_step": self.ode_step,
             "solve": self.solve,
         }
+        hift, hop = dec.hift, cfg.hift.hop
+        self.mel = torch.randn(batch, cfg.encoder.mel, 8 + self.new, generator=g).to(dev)
+        self.source = torch.zeros(batch, 1, (8 + self.new) * hop, device=dev)
+        self.noise = torch.Generator(dev).manual_seed(0)
+        self.vocode: Callable[[], torch.Tensor] = torch.no_grad()(lambda: hift.decode(self.mel, self.source))
         if graphs:
             self.stages = {name: graphed(fn) for name, fn in self.stages.items()}
+            self.hift()  # the source on the device, then the network's graph over it
+            self.vocode = graphed(self.vocode)
         self.stages["hift"] = self.hift
 
     @torch.no_grad()
@@ -104,11 +112,11 @@ class Runner:
         return solve(self.dec.estimator, self.mu, self.mask, self.spks, self.cond, cfg.solver, True, self.dec.noise)
 
     @torch.no_grad()
-    def hift(self) -> list[torch.Tensor]:
-        """HiFT over each stream's 8 cached + new frames (float32, the NSF source included), one
-        stream after another: `CodecDecoder.vocode` takes one."""
-        mel = torch.randn(self.dec.cfg.encoder.mel, 8 + self.new, device=self.dec.device)
-        return [self.dec.vocode(mel) for _ in range(self.batch)]
+    def hift(self) -> torch.Tensor:
+        """HiFT over every stream's 8 cached + new frames at once (float32): f0 and the NSF source
+        (eager: its noise comes from a generator), then the network and the iSTFT (a graph on CUDA)."""
+        self.source.copy_(self.dec.hift.source(self.mel, self.noise))
+        return self.vocode()
 
     def chunk(self) -> None:
         """The whole call: front end, solve, HiFT."""

@@ -52,6 +52,7 @@ class LoadConfig:
     prefill_tokens: int = 2048
     when_full: str = "queue"
     detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
+    first_chunks_apart: bool = True  # first chunks at once, on the detokenizer's urgent lane (ServeConfig)
     seed: int = 9101
 
     @classmethod
@@ -121,7 +122,7 @@ def run_level(
     cfg = level.cfg
     serve = ServeConfig(
         chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
-        detokenize_batches=cfg.detokenize_batches, sampling=sampling,
+        detokenize_batches=cfg.detokenize_batches, first_chunks_apart=cfg.first_chunks_apart, sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     chunk_s = chunk_tokens * SECONDS_PER_TOKEN

@@ -19,7 +19,9 @@ One thread owns the engine. Each `iterate`:
    on a side stream, beside decoding) with a `Ready`: each chunk is stamped ready when its PCM
    is, read once known (`flush` waits for all). While `detokenize_batches` batches are still
    running, new chunks wait and go together later: the vocoder's cost per chunk falls steeply
-   with its batch, and a queue on the side stream would only grow.
+   with its batch, and a queue on the side stream would only grow. With `first_chunks_apart`,
+   streams' first chunks go at once, as a batch of their own on the detokenizer's urgent lane:
+   time to first audio waits on them, while a later chunk has the slack of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer).
@@ -44,7 +46,7 @@ from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
 
-Detokenize = Callable[[list[tuple[torch.Tensor, int]]], Ready]  # [(codes [K], codes before them)], run in order
+Detokenize = Callable[[list[tuple[torch.Tensor, int]], bool], Ready]  # ([(codes [K], codes before them)], urgent)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class ServeConfig:
     when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
     hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
+    first_chunks_apart: bool = True  # first chunks go at once, on the detokenizer's urgent lane
     sampling: Sampling = field(default_factory=Sampling)
 
 
@@ -108,7 +111,7 @@ class Scheduler:
         self.logits: tuple[list[int], torch.Tensor | None, torch.Tensor] | None = None  # slots, text, audio
         self.done: list[Request] = []
         self.outbox: list[tuple[Request, list[int], int]] = []  # chunks made, not yet sent
-        self.unready: deque[tuple[Ready, list[Request]]] = deque()  # chunks sent, in order, not yet stamped
+        self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
         self.phases = Phases(dev, clock)
 
     def submit(self, req: Request) -> bool:
@@ -169,7 +172,7 @@ class Scheduler:
             with self.phases("decode"):
                 text, audio = self.engine.step(going, tokens[to_device(tokens.device, keep)], [not self.mode[s] for s in going])
             self.logits = (going, text, audio)
-        self._send(due=len(self.unready) < self.cfg.detokenize_batches)
+        self._send(due=sum(not urgent for _, _, urgent in self.unready) < self.cfg.detokenize_batches)
 
     def flush(self) -> None:
         """Send what waits, then wait for the detokenizer and the device: every chunk made is
@@ -178,23 +181,31 @@ class Scheduler:
         self._stamp(wait=True)
 
     def _send(self, due: bool) -> None:
-        """Every waiting chunk to the detokenizer in one batch, if `due`."""
-        chunks = self.outbox
-        if not due or not chunks:
-            return
-        self.outbox = []
+        """Streams' first chunks at once, on the urgent lane (`first_chunks_apart`); every other
+        waiting chunk in one batch, if `due`."""
+        if self.cfg.first_chunks_apart:
+            first = [c for c in self.outbox if c[2] == 0]
+            if first:
+                self.outbox = [c for c in self.outbox if c[2] != 0]
+                self._batch(first, urgent=True)
+        if due and self.outbox:
+            chunks, self.outbox = self.outbox, []
+            self._batch(chunks, urgent=False)
+
+    def _batch(self, chunks: list[tuple[Request, list[int], int]], urgent: bool) -> None:
         if self.detokenize is None:
             t = self.clock()
             ready: Ready = lambda wait: t  # noqa: E731
         else:
-            with self.phases("detokenize", getattr(self.detokenize, "side", None)):  # its stream, on CUDA
-                ready = self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks])
-        self.unready.append((ready, [req for req, _, _ in chunks]))
+            lane = getattr(self.detokenize, "lanes", {}).get(urgent)  # its stream, on CUDA
+            with self.phases("detokenize first" if urgent else "detokenize", lane):
+                ready = self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks], urgent)
+        self.unready.append((ready, [req for req, _, _ in chunks], urgent))
 
     def _stamp(self, wait: bool) -> None:
         """Stamp the chunks whose PCM is known to be ready, in the order they were sent."""
         while self.unready:
-            ready, reqs = self.unready[0]
+            ready, reqs, _ = self.unready[0]
             t = ready(wait)
             if t is None:
                 break
