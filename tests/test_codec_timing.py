@@ -1,6 +1,9 @@
 """The codec section of the benchmark: what it times is the decoder's own computation, at every
 call position, variant and batch it was asked for."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -41,3 +44,25 @@ def test_codec_settings_name_what_is_wrong():
         CodecTiming.from_dict({"presets": "full"})
     with pytest.raises(ValueError, match="'huge' is not one of tiny, full"):
         CodecTiming.from_dict({"preset": "huge"})
+
+
+def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):
+    """A runner's CUDA graphs die with it, and it must die when measure is done with it, not when
+    the garbage collector next runs: a graph destroyed inside another's capture (serving's, made
+    ahead of the load) invalidates that capture. Checked with the collector off."""
+    alive: weakref.WeakSet = weakref.WeakSet()
+    made = []
+    init = Runner.__init__
+
+    def tracked(self, *args, **kwargs):
+        made.append(len(alive))  # runners still alive when a new one is made
+        init(self, *args, **kwargs)
+        alive.add(self)
+
+    monkeypatch.setattr(Runner, "__init__", tracked)
+    gc.disable()
+    try:
+        measure(CodecTiming(batches=(1, 2), repeat=1), torch.device("cpu"), lambda k: None)
+        assert made == [0] * 7 and len(alive) == 0  # 4 ours, 2 baseline, 1 for first audio
+    finally:
+        gc.enable()

@@ -20,6 +20,7 @@ decoder, the stream's host bookkeeping (stream.py) left out."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -168,9 +169,8 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
             for batch in batches:
                 run = Runner(dec, batch, body, t.prompt_codes, use_graphs)
                 row = {"variant": variant, "call": call, "batch": batch, "codes": body + la, "frames": run.frames}
-                for name, fn in [*run.stages.items(), ("chunk", run.chunk)]:
-                    row[f"{name}_ms"] = roofline.median(roofline.timed_ms(fn, device, t.repeat, warmup=1))
-                rows.append(row)
+                rows.append(row | stage_ms(run, device, t.repeat))
+                close(run)
                 del run
     out = {
         "config": asdict(t),
@@ -193,4 +193,22 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
             run.chunk()
 
         out["ttfa_ms"] = percentiles(roofline.timed_ms(first_audio, device, t.repeat, warmup=1))
+        close(run)
+        del run, first_audio
+    gc.collect()
     return out
+
+
+def stage_ms(run: Runner, device: torch.device, repeat: int) -> dict[str, float]:
+    """Each stage's median ms, and the whole call's."""
+    stages = [*run.stages.items(), ("chunk", run.chunk)]
+    return {f"{name}_ms": roofline.median(roofline.timed_ms(fn, device, repeat, warmup=1)) for name, fn in stages}
+
+
+def close(run: Runner) -> None:
+    """Break a runner's references to itself (its stages are its bound methods), so that its CUDA
+    graphs are destroyed as soon as the last name for it goes, not when the garbage collector next
+    runs: if that falls inside another graph's capture (serving's, made ahead of the load),
+    destroying a graph there invalidates that capture."""
+    run.stages.clear()
+    run.vocode = None  # type: ignore[assignment]
