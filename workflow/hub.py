@@ -88,6 +88,7 @@ def _fetch_file(repo: str, commit: str, sibling: RepoSibling, snapshot: Path, na
     if sibling.size is None or (sibling.lfs is None and sibling.blob_id is None):
         raise InputError(name, "the hub gives no size or hash for it: the download cannot be checked")
     path = snapshot / sibling.rfilename
+    path.parent.mkdir(parents=True, exist_ok=True)  # a file in a folder of the repo (the codec's flow/)
     if path.exists():
         try:
             return _checked(path, sibling, name)

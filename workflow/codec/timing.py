@@ -7,7 +7,7 @@ them with its 8 cached ones. So a call costs more the later it comes. Two calls 
 first chunk (the prompt + chunk + lookahead codes) and one `later_codes` into the reply; each at
 every batch in `batches` (streams whose calls fall due together, the same length here).
 
-Two ways to run it, on the same random weights of the preset's shape:
+Two ways to run it, on the same weights (random, of the preset's shape, or the codec's checkpoint):
 - `baseline`: the official code's structure, float32 and eager, one stream at a time (batch 1);
   HiFT there is the same batched call, eager;
 - ours: `dtype`, and on CUDA the front end, one ODE step and the whole solve each replayed from a
@@ -23,27 +23,31 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from workflow import roofline
+from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder
 from workflow.codec.solver import solve
 from workflow.report import percentiles
 
 PRESETS = {"tiny": CodecConfig.tiny, "full": CodecConfig}
+CACHE = Path("results/.hub-cache")  # where hf: weights are fetched, as the download rule does
 
 
 @dataclass(frozen=True)
 class CodecTiming:
-    preset: str = "tiny"  # tiny | full (the true shape), random weights
+    preset: str = "tiny"  # tiny | full (the true shape)
     dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow; HiFT stays float32)
     prompt_codes: int = 10  # the voice prompt's codes (a multiple of the chunk keeps the grid aligned)
     later_codes: int = 20  # where the later call falls: codes of the reply already decoded
     batches: tuple[int, ...] = (1, 2)
     repeat: int = 3
     baseline: bool = True  # also time the official structure (float32, eager, batch 1)
+    weights: str | None = None  # None: random; local:<dir> or hf:<repo>@<rev>: the codec's checkpoint (checkpoint.py)
     seed: int = 0
     graphs: bool = True  # CUDA only
 
@@ -139,10 +143,12 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def decoders(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, CodecDecoder | None]:
-    """Ours (t.dtype; HiFT float32) and the baseline (float32), one set of random weights."""
+def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> tuple[CodecDecoder, CodecDecoder | None]:
+    """Ours (t.dtype; HiFT float32) and the baseline (float32), one set of weights: the checkpoint's,
+    checked against the preset's shape, or random."""
     torch.manual_seed(t.seed)
-    base = CodecDecoder(PRESETS[t.preset]()).eval().to(device)
+    cfg = PRESETS[t.preset]()
+    base = (checkpoint.load(checkpoint.fetch(t.weights, cache_dir), cfg) if t.weights else CodecDecoder(cfg)).eval().to(device)
     base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
     ours = CodecDecoder(base.cfg).eval().to(device)
     ours.load_state_dict(base.state_dict())
@@ -174,7 +180,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
                 del run
     out = {
         "config": asdict(t),
-        "weights": "random",
+        "weights": t.weights or "random",
         "parameters": {
             "front_end": sum(p.numel() for p in ours.flow.parameters()),
             "estimator": sum(p.numel() for p in ours.estimator.parameters()),
