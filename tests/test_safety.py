@@ -39,10 +39,11 @@ def keyword(call: ast.Call, name: str) -> object:
 UNPICKLERS = {"torch.load", "torch.jit.load", "pickle.load", "pickle.loads", "np.load", "numpy.load", "joblib.load"}
 
 
-def test_only_the_vocoder_unpickles_and_only_with_weights_only():
-    """Checkpoints are read with safetensors; the vocoder's .pt is the one pickle we open."""
+def test_one_reader_unpickles_and_only_with_weights_only():
+    """Checkpoints are read with safetensors; the .pt files (the vocoder's, the codec's flow and
+    HiFT) all go through one pickle reader, `tensorfile.load_pickle`."""
     found = [(p.name, f, c) for p in SOURCES for f, c in calls(p) if f in UNPICKLERS]
-    assert [(name, f) for name, f, _ in found] == [("vocoder.py", "torch.load")]
+    assert [(name, f) for name, f, _ in found] == [("tensorfile.py", "torch.load")]
     assert keyword(found[0][2], "weights_only") is True
 
 

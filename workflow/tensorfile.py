@@ -1,4 +1,4 @@
-"""Reading a safetensors file's header with one-line errors.
+"""Reading tensor files with one-line errors: a safetensors file's header, and torch pickles.
 
 A corrupt header or a truncated copy (the common fault of an interrupted transfer) is named as
 such, in our words, before any tensor is read: safetensors' own messages ("incomplete
@@ -8,6 +8,7 @@ metadata, file not fully covered") do not say which.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -64,3 +65,16 @@ def read_header(path: str | Path) -> TensorMeta:
         what = "truncated" if size < declared else "corrupt"
         raise InputError(path, f"{what}: the file has {size} bytes, its header declares {declared}")
     return meta
+
+
+def load_pickle(path: str | Path) -> object:
+    """A torch pickle's content (on the CPU) with `weights_only`: tensors and plain containers only,
+    so a pickle that would run code, or build any other object, is refused, not executed."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InputError(path, "file is missing") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        lines = [line.strip() for line in str(e).splitlines()]
+        why = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), type(e).__name__)
+        raise InputError(path, f"refused: not a plain tensor file ({why})") from None

@@ -11,7 +11,6 @@ own, so the real decoder's cost can be added without touching the rest.
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from workflow.cudagraphs import Graphs
 from workflow.errors import InputError
+from workflow.tensorfile import load_pickle
 
 SECONDS_PER_TOKEN = 0.08  # 12.5 audio tokens per second
 
@@ -75,16 +75,8 @@ class MelStandIn:
 
 
 def load_generator_state(path: Path) -> dict[str, torch.Tensor]:
-    """The generator's tensors from a BigVGAN .pt: weights_only=True, so a pickle that would
-    run code (or build any object but tensors and containers) is refused, not executed."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise InputError(path, "file is missing") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        lines = [line.strip() for line in str(e).splitlines()]
-        why = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), type(e).__name__)
-        raise InputError(path, f"refused: not a plain tensor file ({why})") from None
+    """The generator's tensors from a BigVGAN .pt (`tensorfile.load_pickle`: no code runs)."""
+    state = load_pickle(path)
     if not isinstance(state, dict) or not isinstance(state.get("generator"), dict):
         raise InputError(path, "has no 'generator' state dict")
     return state["generator"]

@@ -15,11 +15,9 @@ weight norm folded (`hift.hift_state_dict`). The flow's vocabulary is read from 
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from workflow.codec.config import CodecConfig
@@ -28,6 +26,7 @@ from workflow.codec.estimator import PREFIX
 from workflow.codec.hift import hift_state_dict
 from workflow.errors import InputError
 from workflow.sources import parse_source
+from workflow.tensorfile import load_pickle
 
 FLOW_FILE = "flow/flow-chunk-5.pt"  # the chunk-5 streaming weights (docs/codec.md, "Codec files")
 HIFT_FILE = "flow/hift.pt"
@@ -48,14 +47,7 @@ def fetch(weights: str, cache_dir: Path) -> Path:
 
 def read_state(path: Path) -> dict[str, Tensor]:
     """A checkpoint's tensors (non-tensor entries dropped), refusing anything but tensors and containers."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise InputError(path, "file is missing") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        lines = [line.strip() for line in str(e).splitlines()]
-        why = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), type(e).__name__)
-        raise InputError(path, f"refused: not a plain tensor file ({why})") from None
+    state = load_pickle(path)
     if not isinstance(state, dict):
         raise InputError(path, f"holds a {type(state).__name__}, not a state dict")
     return {k: v for k, v in state.items() if isinstance(v, Tensor)}
