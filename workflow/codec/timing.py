@@ -20,6 +20,7 @@ decoder, the stream's host bookkeeping (stream.py) left out."""
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,6 +33,7 @@ from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder
 from workflow.codec.solver import solve
+from workflow.cudagraphs import Graphs
 from workflow.report import percentiles
 
 PRESETS = {"tiny": CodecConfig.tiny, "full": CodecConfig}
@@ -82,21 +84,17 @@ class Runner:
         two = (torch.cat([v, v]) for v in (self.mask, self.mu, self.spks, self.cond))
         self.pass_args = (torch.randn(2 * batch, cfg.encoder.mel, self.frames, generator=g).to(dev, dtype), *two)
         self.t = torch.full((2 * batch,), 0.5, device=dev, dtype=dtype)
-        self.stages: dict[str, Callable[[], object]] = {
-            "front_end": self.front_end,
-            "ode_step": self.ode_step,
-            "solve": self.solve,
-        }
-        hift, hop = dec.hift, cfg.hift.hop
         self.mel = torch.randn(batch, cfg.encoder.mel, 8 + self.new, generator=g).to(dev)
-        self.source = torch.zeros(batch, 1, (8 + self.new) * hop, device=dev)
+        self.source = torch.zeros(batch, 1, (8 + self.new) * cfg.hift.hop, device=dev)
         self.noise = torch.Generator(dev).manual_seed(0)
-        self.vocode: Callable[[], torch.Tensor] = torch.no_grad()(lambda: hift.decode(self.mel, self.source))
-        if graphs:
-            self.stages = {name: graphed(fn) for name, fn in self.stages.items()}
-            self.hift()  # the source on the device, then the network's graph over it
-            self.vocode = graphed(self.vocode)
+        self.graphs = Graphs(dev) if graphs else None  # each stage's graph made at its first call
+        stages = {"front_end": self.front_end, "ode_step": self.ode_step, "solve": self.solve}
+        self.stages: dict[str, Callable[[], object]] = {name: self._replayed(name, fn) for name, fn in stages.items()}
         self.stages["hift"] = self.hift
+
+    def _replayed(self, name: str, fn: Callable[[], object]) -> Callable[[], object]:
+        """fn, or on CUDA its replay from the graph `Graphs` keeps for `name`."""
+        return fn if self.graphs is None else functools.partial(self.graphs.run, name, fn)
 
     @torch.no_grad()
     def front_end(self) -> torch.Tensor:
@@ -121,26 +119,17 @@ class Runner:
         """HiFT over every stream's 8 cached + new frames at once (float32): f0 and the NSF source
         (eager: its noise comes from a generator), then the network and the iSTFT (a graph on CUDA)."""
         self.source.copy_(self.dec.hift.source(self.mel, self.noise))
-        return self.vocode()
+        return self._replayed("vocode", self.vocode)()
+
+    @torch.no_grad()
+    def vocode(self) -> torch.Tensor:
+        """HiFT's network and iSTFT over the mel and the source in place."""
+        return self.dec.hift.decode(self.mel, self.source)
 
     def chunk(self) -> None:
         """The whole call: front end, solve, HiFT."""
         for name in ("front_end", "solve", "hift"):
             self.stages[name]()
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn replayed from one CUDA graph (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> tuple[CodecDecoder, CodecDecoder | None]:
@@ -212,9 +201,9 @@ def stage_ms(run: Runner, device: torch.device, repeat: int) -> dict[str, float]
 
 
 def close(run: Runner) -> None:
-    """Break a runner's references to itself (its stages are its bound methods), so that its CUDA
-    graphs are destroyed as soon as the last name for it goes, not when the garbage collector next
-    runs: if that falls inside another graph's capture (serving's, made ahead of the load),
-    destroying a graph there invalidates that capture."""
+    """Break a runner's references to itself (its stages and graphs hold its bound methods), so
+    that its CUDA graphs are destroyed as soon as the last name for it goes, not when the garbage
+    collector next runs: if that falls inside another graph's capture (serving's, made ahead of
+    the load), destroying a graph there invalidates that capture."""
     run.stages.clear()
-    run.vocode = None  # type: ignore[assignment]
+    run.graphs = None

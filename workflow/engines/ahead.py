@@ -46,12 +46,8 @@ def capture(
     for b, t in admissions:
         engine.admit_rows[:b, 0].copy_(engine.row_ids[:b, 0])
         for need_text in (True, False):
-
-            def admit(static: torch.Tensor, t: int = t, b: int = b, need_text: bool = need_text):
-                at = engine.at(engine.positions[None, :t], engine.admit_rows[:b], None)
-                return engine.forward_tokens(static, at, need_text, False, step=te.layer_step)
-
-            engine._run(torch.zeros(b, t, 2, dtype=torch.long), ("admit", need_text, False), admit)
+            prefill = engine._prefill(b, t, need_text, False, te.layer_step)
+            engine._run(torch.zeros(b, t, 2, dtype=torch.long), ("admit", need_text, False), prefill)
     for b in buckets:
         tokens = torch.zeros(b, 1, 2, dtype=torch.long)
         for kv_len in spans:

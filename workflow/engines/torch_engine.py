@@ -312,12 +312,7 @@ class TorchEngine(Engine, nn.Module):
         rows = self.slots.admit(slots, t)
         self.pos[rows.start : rows.stop].fill_(t)
         self.admit_rows[:b, 0].copy_(self.row_ids[rows.start : rows.stop, 0])
-
-        def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-            at = self.at(self.positions[None, :t], self.admit_rows[:b], None)
-            return self.forward_tokens(static, at, need_text, all_logits)
-
-        return self._run(tokens, ("admit", need_text, all_logits), run)
+        return self._run(tokens, ("admit", need_text, all_logits), self._prefill(b, t, need_text, all_logits))
 
     @torch.no_grad()
     def step(
@@ -352,6 +347,15 @@ class TorchEngine(Engine, nn.Module):
     def capture(self, rows: int, shortest: int, admissions: Sequence[tuple[int, int]] = ()) -> int:
         """Serving's graphs made ahead (`ahead.capture`); the number captured."""
         return ahead.capture(self, rows, shortest, admissions)
+
+    def _prefill(self, b: int, t: int, need_text: bool, all_logits: bool, step: Callable | None = None) -> Callable:
+        """A prefill of t tokens into the rows `admit_rows` holds, as a function of the tokens on the device."""
+
+        def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+            at = self.at(self.positions[None, :t], self.admit_rows[:b], None)
+            return self.forward_tokens(static, at, need_text, all_logits, step=step)
+
+        return run
 
     def _decode(self, b: int, kv_len: int, text_head: bool, hold: bool, step: Callable | None = None) -> Callable:
         """A decode step of rows 0..b-1 at their positions, as a function of the tokens on the device."""
