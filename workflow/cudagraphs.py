@@ -9,6 +9,12 @@ so a graph's kernels keep its capture stream's priority wherever it is replayed.
 is CAPTURE_PRIORITY, above default-priority work, or the current stream's if that is higher
 (the detokenizer's urgent lane): a caller that replays one shape on streams of different
 priorities keys its graphs by priority too.
+
+Graphs of one priority share one memory pool (they run one after another on their stream) and are
+captured on one stream: the caching allocator reuses a freed block only on the stream that
+allocated it, so captures on fresh streams would each keep their own memory (hundreds of graphs,
+tens of GB). Graphs of different priorities may run at the same time (the detokenizer's lanes), so
+each priority has its own pool.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ class Graphs:
     def __init__(self, device: torch.device):
         self.device = device
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
-        self.pool = None  # one memory pool for all of them: they never run at the same time
+        self.warm_up: torch.cuda.Stream | None = None
+        self.capture: dict[int, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority -> stream, pool
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> T:
         """fn() replayed from the graph captured for `key` (captured now if new). fn runs three
@@ -34,16 +41,19 @@ class Graphs:
         time (the engine's cache writes at the step's positions are)."""
         if key not in self.graphs:
             current = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(self.device)
+            side = self.warm_up = self.warm_up or torch.cuda.Stream(self.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 fn()
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            capture = torch.cuda.Stream(self.device, priority=min(CAPTURE_PRIORITY, current.priority))
-            with torch.cuda.graph(graph, pool=self.pool, stream=capture):
+            priority = min(CAPTURE_PRIORITY, current.priority)
+            if priority not in self.capture:
+                self.capture[priority] = (torch.cuda.Stream(self.device, priority=priority), None)
+            stream, pool = self.capture[priority]
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = fn()
-            self.pool = graph.pool()
+            self.capture[priority] = (stream, graph.pool())
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
         graph, out, _ = self.graphs[key]
         graph.replay()

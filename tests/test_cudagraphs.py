@@ -1,0 +1,43 @@
+"""CUDA graphs share their memory: on the GPU machine only (`pytest tests/test_cudagraphs.py`)."""
+
+import pytest
+import torch
+
+from workflow.cudagraphs import Graphs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_graphs_of_one_priority_reuse_each_others_scratch_memory():
+    """Twenty graphs, each with 64 MiB of scratch and a 4 KiB output, hold about one scratch's
+    worth of the pool, not twenty (captures on fresh streams kept 20 x 64 MiB: 1.3 GB)."""
+    device = torch.device("cuda")
+    x = torch.randn(1024, device=device)
+    graphs = Graphs(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    outs = []
+    for i in range(20):
+        outs.append(graphs.run(i, lambda i=i: (x[None].expand(16384, -1) * (i + 1)).sum(0)))  # 64 MiB scratch
+        assert torch.allclose(outs[-1], x * 16384 * (i + 1), rtol=1e-4)
+    torch.cuda.empty_cache()  # what the warm-ups left; the graphs' pool stays
+    held = torch.cuda.memory_reserved(device) - before
+    assert held < 3 * 64 * 2**20, f"the graphs hold {held / 2**20:.0f} MiB"
+    for i in range(20):  # each replays its own function still
+        assert torch.allclose(graphs.run(i, lambda: None).clone(), x * 16384 * (i + 1), rtol=1e-4)
+
+
+@needs_cuda
+def test_graphs_of_different_priorities_never_share_memory():
+    """The detokenizer's two lanes replay at the same time: a graph captured on the urgent lane
+    must not use memory a default-lane graph writes."""
+    device = torch.device("cuda")
+    x = torch.randn(1024, device=device)
+    graphs = Graphs(device)
+    normal = graphs.run("normal", lambda: (x[None].expand(16384, -1) * 2).sum(0))
+    with torch.cuda.stream(torch.cuda.Stream(device, priority=-100)):
+        urgent = graphs.run("urgent", lambda: (x[None].expand(16384, -1) * 3).sum(0))
+    torch.cuda.synchronize()
+    assert len(graphs.capture) == 2 and len({pool for _, pool in graphs.capture.values()}) == 2
+    assert torch.allclose(urgent, normal * 1.5, rtol=1e-4)
