@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 COLLECT = ROOT / "benchmarks" / "collect.py"
-RUNS = ["2026-11-25-h100-full13", "2026-11-26-h200-full6"]  # README's runs of record
+RUNS = ["2026-11-25-h100-full13", "2026-11-26-h200-full7"]  # README's runs of record
 BASE = "5dada02"  # holds every results directory and patch the ledger names
 
 
@@ -200,7 +200,7 @@ def test_the_ledger_has_a_row_for_every_removed_result(history):
 
 def test_streams_at_the_slo_come_from_runs_with_the_load_benchmark(tmp_path):
     """A run whose benchmark.json holds the load benchmark's answer: summary.json gains
-    streams_at_slo per variant and the SLO, judged against the H200 goal (H200 run 6, its
+    streams_at_slo per variant and the SLO, judged against the H200 goal (H200 run 7, its
     answers changed to 128 and 96); a run without it (H100 run 13) gains nothing."""
     run = tmp_path / "run"
     shutil.copytree(RESULTS / RUNS[1], run)
