@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workflow.codec.config import CodecConfig, EstimatorConfig, SolverConfig
-from workflow.codec.estimator import PREFIX, CausalConditionalDecoder, attention_mask, sinusoidal
+from workflow.codec.estimator import PREFIX, CausalConditionalDecoder, Past, attention_mask, sinusoidal
 from workflow.codec.solver import FixedNoise, FlowSolver, cosine_schedule, solve
 
 TINY = CodecConfig.tiny()
@@ -217,6 +217,53 @@ def test_streaming_estimator_is_chunk_causal_and_offline_is_not():
     off_a, off_b = run[(False, "a")], run[(False, "b")]
     assert (off_a[:, :, :CHUNK] - off_b[:, :, :CHUNK]).abs().max() > 1e-3  # full attention sees the future
     assert not torch.allclose(stream_a[:, :, :cut], off_a[:, :, :cut])  # the chunk mask changes the result
+
+
+@pytest.mark.parametrize("pieces", [[3 * CHUNK], [CHUNK, 2 * CHUNK], [2 * CHUNK, 13]])
+def test_frames_run_against_their_past_equal_one_streaming_pass(pieces):
+    """The flow cache: the frames run in pieces, each against the past the earlier pieces left (pieces end
+    on chunk boundaries but the last, as a stream's calls do), give the one pass's velocities; the past
+    holds every frame, and a copy taken before a piece is left as it was."""
+    total = sum(pieces)
+    est, i = tiny_estimator(), inputs(b=2, t=total)
+    x, t = torch.randn(2, 80, total, generator=torch.Generator().manual_seed(3)), torch.tensor([0.4, 0.4])
+    past, got, a = Past(), [], 0
+    with torch.inference_mode():
+        whole = est(x, i["mask"], i["mu"], t, i["spks"], i["cond"], streaming=True)
+        for n in pieces:
+            kept = past.copy()
+            piece = {k: v[:, :, a : a + n] if v.dim() == 3 else v for k, v in i.items()}
+            got.append(est(x[:, :, a : a + n], piece["mask"], piece["mu"], t, piece["spks"], piece["cond"], True, past))
+            assert kept.frames == a and all(kept.keys[m][0].shape[2] == a for m in kept.keys)
+            a += n
+    torch.testing.assert_close(torch.cat(got, dim=-1), whole, rtol=0, atol=1e-5)
+    assert past.frames == total and len(past.keys) == len(est.transformer_blocks())
+    assert all(k.shape[2] == total for k, _ in past.keys.values())
+
+
+def test_a_past_needs_chunk_masks():
+    est, i = tiny_estimator(), inputs(t=CHUNK)
+    with pytest.raises(ValueError, match="chunk masks"), torch.inference_mode():
+        est(torch.randn(1, 80, CHUNK), i["mask"], i["mu"], torch.tensor([0.4]), i["spks"], i["cond"], False, Past())
+
+
+def test_attention_mask_after_a_past_is_the_whole_masks_last_rows():
+    whole = attention_mask(torch.ones(1, 1, 50), CHUNK)
+    for start in (20, 33):
+        torch.testing.assert_close(attention_mask(torch.ones(1, 1, 50 - start), CHUNK, start), whole[:, start:])
+
+
+def test_solve_against_a_past_continues_the_one_solve():
+    """Each ODE step has its own past; the later frames start from their own frames of the fixed noise."""
+    est, i, cfg = tiny_estimator(), inputs(t=3 * CHUNK), dataclasses.replace(TINY.solver, steps=3)
+    past = [Past() for _ in range(cfg.steps)]
+    with torch.inference_mode():
+        whole = solve(est, i["mu"], i["mask"], i["spks"], i["cond"], cfg, streaming=True)
+        head = solve(est, *(v[..., :CHUNK] if v.dim() == 3 else v for v in i.values()), cfg, True, None, past)
+        tail = solve(est, *(v[..., CHUNK:] if v.dim() == 3 else v for v in i.values()), cfg, True, None, past)
+        with pytest.raises(ValueError, match="2 pasts for 3"):
+            solve(est, i["mu"], i["mask"], i["spks"], i["cond"], cfg, True, None, past[:2])
+    torch.testing.assert_close(torch.cat([head, tail], dim=-1), whole, rtol=0, atol=1e-5)
 
 
 def test_masked_frames_are_zero_and_padding_does_not_leak():

@@ -163,6 +163,42 @@ def test_final_offline_tail_is_the_offline_decodes_tail(decoder):
     torch.testing.assert_close(s.mels[-1], offline[:, last:], rtol=0, atol=ATOL_MEL)
 
 
+# ---------------------------------------------------------------- the flow cache
+
+
+@pytest.mark.parametrize("prompt_codes", [13, 15, 0])
+def test_the_flow_cache_solves_only_new_frames_and_gives_the_prefix_reruns_mel(decoder, prompt_codes):
+    """With the cache each flow call's solve runs only the frames past the last call's end (and the first
+    call past the voice prompt's past: its whole chunks that no reply reaches, lookahead included), and the
+    mel is the one the stream gives re-running the whole prefix. The voice's past is left as it was."""
+    voice, x = (VoicePrompt.empty() if prompt_codes == 0 else prompt(prompt_codes)), codes(26)
+    past = decoder.prompt_past(voice)
+    cached = (prompt_codes - TINY.encoder.lookahead) * 4 // 20 * 20 if prompt_codes else 0
+    assert [p.frames for p in past] == [cached] * TINY.solver.steps
+    kept = [dict(p.keys) for p in past]
+    widths: list[int] = []
+    hook = decoder.estimator.register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[-1]))
+    try:
+        _, s = run(decoder, voice, x, 2, keep_mel=True, past=past)
+    finally:
+        hook.remove()
+    _, rerun = run(decoder, voice, x, 2, keep_mel=True, flow_cache=False)
+    torch.testing.assert_close(torch.cat(s.mels, dim=1), torch.cat(rerun.mels, dim=1), rtol=0, atol=ATOL_MEL)
+    ends = [4 * prompt_codes + e for e in call_ends(26, prompt_codes)] + [4 * (prompt_codes + 26)]
+    assert widths == [b - a for a, b in zip([cached, *ends[:-1]], ends, strict=True) for _ in range(TINY.solver.steps)]
+    assert [p.frames for p in past] == [cached] * TINY.solver.steps
+    assert all(dict(p.keys) == k for p, k in zip(past, kept, strict=True))
+
+
+def test_a_past_must_end_on_a_chunk_and_before_the_frames_asked_for(decoder):
+    voice = prompt(15)  # its past: 40 frames (12 codes' worth, 2 whole chunks)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="chunk boundary"):
+            decoder.mel(codes(9), voice, streaming=True, finalize=False, past=decoder.prompt_past(voice))
+        with pytest.raises(ValueError, match="after the first"):
+            decoder.mel(codes(8), voice, streaming=True, finalize=False, offset_frames=-30, past=decoder.prompt_past(voice))
+
+
 # ---------------------------------------------------------------- when and how much PCM comes
 
 

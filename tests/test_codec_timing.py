@@ -25,16 +25,24 @@ def test_the_timed_stages_are_the_decoders_own_computation():
     want, _ = ours.hift(run.mel, generator=torch.Generator().manual_seed(0))  # HiFT's own forward, the same noise
     assert torch.equal(run.hift(), want) and want.shape == (2, (8 + 20) * 480)
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), ours.state_dict().values(), strict=True))
+    cached = Runner(ours, batch=2, body=15, prompt_codes=10, graphs=False, past_frames=20)  # the flow cache
+    torch.testing.assert_close(cached.solve(), run.solve()[..., 20:], rtol=0, atol=1e-5)
+    assert cached.ode_step().shape == (4, 80, 40) and cached.past_bytes() > 0 == run.past_bytes()
+    assert all(p.frames == 20 for p in cached.past)  # each timed call starts from the same past
 
 
 def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engine():
     reached = []
     out = measure(CodecTiming(batches=(1, 3), repeat=1), torch.device("cpu"), reached.append)
     got = {(r["variant"], r["call"], r["batch"]) for r in out["calls"]}
-    assert got == {("ours", c, b) for c in ("first", "later") for b in (1, 3)} | {("baseline", c, 1) for c in ("first", "later")}
-    first = next(r for r in out["calls"] if r["call"] == "first")
-    later = next(r for r in out["calls"] if r["call"] == "later")
+    ours = {(v, c, b) for v in ("ours", "ours, no cache") for c in ("first", "later") for b in (1, 3)}
+    assert got == ours | {("baseline", c, 1) for c in ("first", "later")}
+    row = {(r["variant"], r["call"]): r for r in out["calls"] if r["batch"] == 1}
+    first, later = row["ours", "first"], row["ours", "later"]
     assert first["codes"] == 10 + 5 + 3 and later["codes"] == first["codes"] + 20 and first["frames"] == 4 * 15
+    # cached: the prompt's whole chunks without the lookahead's (20 frames), then the last call's end
+    assert first["solved_frames"] == 60 - 20 and later["solved_frames"] == 20 and later["past_mib"] > first["past_mib"]
+    assert row["ours, no cache", "later"]["solved_frames"] == row["baseline", "later"]["solved_frames"] == 4 * 35
     assert all(r[k] > 0 for r in out["calls"] for k in r if k.endswith("_ms"))
     assert out["first_codes"] == 8 and set(reached) == {8} and out["ttfa_ms"]["n"] == 1
 
@@ -63,6 +71,6 @@ def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):
     gc.disable()
     try:
         measure(CodecTiming(batches=(1, 2), repeat=1), torch.device("cpu"), lambda k: None)
-        assert made == [0] * 7 and len(alive) == 0  # 4 ours, 2 baseline, 1 for first audio
+        assert made == [0] * 11 and len(alive) == 0  # 4 ours, 4 without the cache, 2 baseline, 1 for first audio
     finally:
         gc.enable()

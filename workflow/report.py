@@ -120,8 +120,10 @@ def codec_markdown(c: dict) -> list[str]:
         f"{n['estimator'] / 1e6:.2f} M, HiFT {n['hift'] / 1e6:.2f} M parameters; {c['steps']} ODE steps, each one "
         f"estimator pass over 2 x batch rows (guidance). Ours: {cfg['dtype']}, "
         + ("CUDA graphs (HiFT: its network; its NSF source eager)" if c["graphs"] else "eager")
-        + "; baseline: the official structure, float32, eager, batch 1. A call re-runs the flow over every code so "
-        f"far: the first comes after the {cfg['prompt_codes']}-code voice prompt and {c['first_codes']} codes, the "
+        + "; baseline: the official structure, float32, eager, batch 1. A call runs the front end over every code so "
+        "far; its ODE solve, with the flow cache, only the frames after the last call's end (the first call: after the "
+        "voice prompt's past, made once per voice), and without it (the baseline, ours with no cache) every frame. "
+        f"The first call comes after the {cfg['prompt_codes']}-code voice prompt and {c['first_codes']} codes, the "
         f"later {cfg['later_codes']} codes further on. HiFT runs every stream's frames in one call.",
     ]
     if "ttfa_ms" in c:
@@ -132,12 +134,14 @@ def codec_markdown(c: dict) -> list[str]:
         ]
     lines += [
         "",
-        "| variant | call | batch | codes | frames | front end ms | ODE step ms | solve ms | HiFT ms | whole call ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | call | batch | codes | frames solved / all | cache MiB per stream | front end ms | ODE step ms | solve ms "
+        "| HiFT ms | whole call ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in c["calls"]:
         lines.append(
-            f"| {r['variant']} | {r['call']} | {r['batch']} | {r['codes']} | {r['frames']} | {r['front_end_ms']:.2f} | "
+            f"| {r['variant']} | {r['call']} | {r['batch']} | {r['codes']} | {r['solved_frames']} / {r['frames']} | "
+            f"{r['past_mib'] / r['batch']:.1f} | {r['front_end_ms']:.2f} | "
             f"{r['ode_step_ms']:.2f} | {r['solve_ms']:.2f} | {r['hift_ms']:.2f} | {r['chunk_ms']:.2f} |"
         )
     return lines

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from workflow.codec.config import CodecConfig, HiftConfig, MelConfig
 from workflow.codec.encoder import FlowFrontEnd
-from workflow.codec.estimator import CausalConditionalDecoder
+from workflow.codec.estimator import CausalConditionalDecoder, Past
 from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT, excitation
 from workflow.codec.mel import LogMel
 from workflow.codec.solver import FixedNoise, solve
@@ -148,12 +148,15 @@ class CodecDecoder(nn.Module):
         streaming: bool,
         finalize: bool = True,
         offset_frames: int = 0,
+        past: list[Past] | None = None,
     ) -> Tensor:
         """The flow: log-mel [mels, frames] of `codes` in `prompt`'s voice, from frame `offset_frames` on.
 
         streaming: chunk masks (the grid starts at the prompt's first code). finalize False: the last
         `lookahead` codes only feed the lookahead convolution and give no frames, so the frames returned
-        are final (with chunk masks and a chunk-aligned end they never change as more codes come)."""
+        are final (with chunk masks and a chunk-aligned end they never change as more codes come).
+        past (streaming only, one per ODE step): the flow's state over the frames before its end, which
+        the solve then skips, extended to this call's end (which must be chunk-aligned unless finalize)."""
         if streaming and self.cfg.chunk <= 0:
             raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
         device = self.device
@@ -170,10 +173,37 @@ class CodecDecoder(nn.Module):
         frames = mu.shape[-1]
         cond = torch.zeros_like(mu)
         cond[0, :, :prompt_frames] = prompt.mel.to(mu)
-        mask = torch.ones(1, 1, frames, device=device, dtype=mu.dtype)
+        start = past[0].frames if past is not None else 0
+        if start > prompt_frames + offset_frames:
+            raise ValueError(f"the flow's past ends at frame {start}, after the first one asked for")
+        if past is not None and not finalize and frames % (self.cfg.chunk * self.stride):
+            raise ValueError(f"a past must end on a chunk boundary; this call ends at frame {frames}")
+        mask = torch.ones(1, 1, frames - start, device=device, dtype=mu.dtype)
         spks = self.flow.speaker(prompt.xvector.to(mu)[None])
-        mel = solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=streaming, noise=self.noise)
-        return mel[0, :, prompt_frames + offset_frames :]
+        mu, cond = mu[:, :, start:], cond[:, :, start:]
+        mel = solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=streaming, noise=self.noise, past=past)
+        return mel[0, :, prompt_frames + offset_frames - start :]
+
+    @torch.inference_mode()
+    def prompt_past(self, prompt: VoicePrompt) -> list[Past]:
+        """The flow's past (one per ODE step) over the prompt frames no reply can change: the whole chunks
+        whose codes and lookahead are all the prompt's. Made once per voice; each stream starts from a copy."""
+        cfg, stride = self.cfg, self.stride
+        if cfg.chunk <= 0:
+            raise ValueError("a flow past needs a chunk-trained config (cfg.chunk > 0)")
+        past = [Past() for _ in range(cfg.solver.steps)]
+        la, chunk_frames = cfg.encoder.lookahead, cfg.chunk * stride
+        frames = (prompt.codes.numel() - la) * stride // chunk_frames * chunk_frames
+        if frames <= 0:
+            return past
+        prompt = prompt.to(self.device)
+        tokens = prompt.codes[None]
+        body, context = (tokens[:, :-la], tokens[:, -la:]) if la else (tokens, None)
+        mu = self.flow(body, chunk=cfg.chunk, context=context)[:, :, :frames]
+        mask = torch.ones(1, 1, frames, device=mu.device, dtype=mu.dtype)
+        spks = self.flow.speaker(prompt.xvector.to(mu)[None])
+        solve(self.estimator, mu, mask, spks, prompt.mel[None, :, :frames].to(mu), cfg.solver, True, self.noise, past)
+        return past
 
     def vocode(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """HiFT over a whole utterance's mel [mels, F] -> PCM [F * hop], source noise from `generator`."""

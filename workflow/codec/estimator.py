@@ -14,6 +14,10 @@ embedding: sinusoidal(in_channels) -> Linear -> SiLU -> Linear (4 x C). Attentio
 frames offline; streaming, each frame sees every earlier chunk and its own chunk of `chunk_frames` frames.
 Convolutions only look left, so with the chunk mask an output frame never depends on a later chunk.
 
+That makes a stream's earlier frames final, so a call need not run them again: given a `Past` (what one
+pass saw of the frames before it: each causal convolution's last two input frames, each attention's keys
+and values), `forward` runs only the new frames against it and extends it (docs/codec.md, "The flow cache").
+
 Module and parameter names follow the official ones, so `state_dict()` keys are the checkpoint's keys
 below `decoder.estimator.` (e.g. `mid_blocks.0.1.0.attn1.to_q.weight`); `load_flow_state` loads them."""
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,15 +36,40 @@ from workflow.codec.config import CodecConfig, EstimatorConfig
 PREFIX = "decoder.estimator."  # where the estimator's tensors sit in the official flow.pt
 
 
+@dataclass
+class Past:
+    """One estimator pass's view of the `frames` frames before a call, by module: each causal
+    convolution's last kernel - 1 input frames, each attention's keys and values [B, heads, frames, d].
+    A call extends it with its own frames; the entries are replaced, never written in place, so a
+    copy (one voice prompt's past, shared by its streams) stays as it was."""
+
+    frames: int = 0
+    convs: dict[nn.Module, Tensor] = field(default_factory=dict)
+    keys: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def copy(self) -> Past:
+        return Past(self.frames, dict(self.convs), dict(self.keys))
+
+    def nbytes(self) -> int:
+        tensors = [*self.convs.values(), *(t for kv in self.keys.values() for t in kv)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class CausalConv1d(nn.Conv1d):
-    """Conv1d padded with kernel_size - 1 zeros on the left only: output frame i sees input frames <= i."""
+    """Conv1d padded with kernel_size - 1 zeros on the left only: output frame i sees input frames <= i.
+    With a `past`, the frames before come from it instead of the zeros (which stand for the sequence start)."""
 
     def __init__(self, cin: int, cout: int, kernel_size: int) -> None:
         super().__init__(cin, cout, kernel_size)
         self.left = kernel_size - 1
 
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(F.pad(x, (self.left, 0)))
+    def forward(self, x: Tensor, past: Past | None = None) -> Tensor:
+        if past is None:
+            return super().forward(F.pad(x, (self.left, 0)))
+        before = past.convs.get(self)
+        x = torch.cat([x.new_zeros(*x.shape[:2], self.left) if before is None else before, x], dim=-1)
+        past.convs[self] = x[..., -self.left :]
+        return super().forward(x)
 
 
 class CausalBlock1D(nn.Module):
@@ -52,9 +82,9 @@ class CausalBlock1D(nn.Module):
         super().__init__()
         self.block = nn.ModuleList([CausalConv1d(cin, cout, 3), nn.Identity(), nn.LayerNorm(cout)])
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, past: Past | None = None) -> Tensor:
         conv, _, norm = self.block
-        h = conv(x * mask)
+        h = conv(x * mask, past)
         h = norm(h.transpose(1, 2)).transpose(1, 2)
         return F.mish(h) * mask
 
@@ -69,9 +99,9 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(cout, cout)
         self.res_conv = nn.Conv1d(cin, cout, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, temb: Tensor) -> Tensor:
-        h = self.block1(x, mask) + self.mlp(temb).unsqueeze(-1)
-        h = self.block2(h, mask)
+    def forward(self, x: Tensor, mask: Tensor, temb: Tensor, past: Past | None = None) -> Tensor:
+        h = self.block1(x, mask, past) + self.mlp(temb).unsqueeze(-1)
+        h = self.block2(h, mask, past)
         return h + self.res_conv(x * mask)
 
 
@@ -87,10 +117,15 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # (diffusers' to_out.1 is a parameter-free dropout)
 
-    def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
-        """x [B, T, dim]; allowed [B, T, T] bool, True where query row may attend to key column."""
+    def forward(self, x: Tensor, allowed: Tensor, past: Past | None = None) -> Tensor:
+        """x [B, T, dim]; allowed [B, T, keys] bool, True where query row may attend to key column; the
+        keys are the past's frames (if any), then x's."""
         b, t, _ = x.shape
         q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        if past is not None:
+            if self in past.keys:
+                k, v = (torch.cat([old, new], dim=2) for old, new in zip(past.keys[self], (k, v), strict=True))
+            past.keys[self] = (k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
         return self.to_out[0](y.transpose(1, 2).reshape(b, t, -1))
 
@@ -128,8 +163,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x), allowed)
+    def forward(self, x: Tensor, allowed: Tensor, past: Past | None = None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), allowed, past)
         return x + self.ff(self.norm3(x))
 
 
@@ -155,20 +190,23 @@ def sinusoidal(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
     return torch.cat([arg.sin(), arg.cos()], dim=-1).to(t.dtype)
 
 
-def attention_mask(mask: Tensor, chunk_frames: int = 0) -> Tensor:
-    """Which keys each query may attend to: [B, 1, T] frame mask -> [B, T, T] bool.
+def attention_mask(mask: Tensor, chunk_frames: int = 0, start: int = 0) -> Tensor:
+    """Which keys each query may attend to: [B, 1, T] frame mask of the queries, frames start .. start + T
+    (the `start` frames before them are valid keys too) -> [B, T, start + T] bool.
 
     chunk_frames 0: every valid frame (offline). chunk_frames n > 0: key j is visible from query i when
     j < (i // n + 1) * n, i.e. all left chunks and the query's own chunk (num_decoding_left_chunks -1).
     A row with nothing visible (a padded query) is opened fully, as the official mask helper does; such
     frames are zeroed by the frame mask afterwards, this only keeps the softmax finite."""
     valid = mask.bool()
-    t = valid.shape[-1]
+    if start:
+        valid = torch.cat([valid.new_ones(valid.shape[0], 1, start), valid], dim=-1)
+    t = mask.shape[-1]
     allowed = valid.expand(-1, t, -1)
     if chunk_frames > 0:
-        pos = torch.arange(t, device=mask.device)
-        chunk_end = (pos // chunk_frames + 1) * chunk_frames
-        allowed = allowed & (pos.unsqueeze(0) < chunk_end.unsqueeze(1))
+        keys = torch.arange(start + t, device=mask.device)
+        chunk_end = ((keys[start:] // chunk_frames) + 1) * chunk_frames
+        allowed = allowed & (keys.unsqueeze(0) < chunk_end.unsqueeze(1))
     return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
@@ -221,8 +259,13 @@ class CausalConditionalDecoder(nn.Module):
         spks: Tensor | None = None,
         cond: Tensor | None = None,
         streaming: bool = False,
+        past: Past | None = None,
     ) -> Tensor:
-        """x, mu, cond [B, 80, T]; mask [B, 1, T]; t [B]; spks [B, 80] -> velocity [B, 80, T] (zero where masked)."""
+        """x, mu, cond [B, 80, T]; mask [B, 1, T]; t [B]; spks [B, 80] -> velocity [B, 80, T] (zero where masked).
+        With a past (streaming only: offline attention would read later frames), the T frames come after its
+        frames, which it supplies, and it is extended by them."""
+        if past is not None and not (streaming and self.chunk_frames > 0):
+            raise ValueError("a past needs chunk masks (streaming with a chunk-trained estimator)")
         temb = self.time_mlp(sinusoidal(t, self.cfg.in_channels))
         parts = [x, mu]
         if spks is not None:
@@ -230,25 +273,27 @@ class CausalConditionalDecoder(nn.Module):
         if cond is not None:
             parts.append(cond)
         h = torch.cat(parts, dim=1)
-        allowed = attention_mask(mask, self.chunk_frames if streaming else 0)
+        allowed = attention_mask(mask, self.chunk_frames if streaming else 0, past.frames if past else 0)
 
         def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             h = h.transpose(1, 2)
             for block in blocks:
-                h = block(h, allowed)
+                h = block(h, allowed, past)
             return h.transpose(1, 2)
 
         skips = []
         for resnet, blocks, down in self.down_blocks:
-            h = attend(resnet(h, mask, temb), blocks)
+            h = attend(resnet(h, mask, temb, past), blocks)
             skips.append(h)
-            h = down(h * mask)
+            h = down(h * mask, past)
         for resnet, blocks in self.mid_blocks:
-            h = attend(resnet(h, mask, temb), blocks)
+            h = attend(resnet(h, mask, temb, past), blocks)
         for resnet, blocks, up in self.up_blocks:
             skip = skips.pop()
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
-            h = attend(resnet(h, mask, temb), blocks)
-            h = up(h * mask)
-        h = self.final_block(h, mask)
+            h = attend(resnet(h, mask, temb, past), blocks)
+            h = up(h * mask, past)
+        h = self.final_block(h, mask, past)
+        if past is not None:
+            past.frames += x.shape[-1]
         return self.final_proj(h * mask) * mask

@@ -14,19 +14,31 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from workflow.codec.config import SolverConfig
 
+if TYPE_CHECKING:
+    from workflow.codec.estimator import Past
+
 MEL = 80  # the official buffer is 80 bands; the estimator's x/mu/cond width
 
 
 class Estimator(Protocol):
     def __call__(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: bool = False,
+        past: Past | None = None,
     ) -> Tensor: ...
 
 
@@ -46,12 +58,14 @@ class FixedNoise:
     def frames(self) -> int:
         return self.buffer.shape[-1]
 
-    def take(self, frames: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Tensor:
-        """The first `frames` frames, [1, mel, frames]; more than the buffer holds is an error (the official
+    def take(
+        self, frames: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None, start: int = 0
+    ) -> Tensor:
+        """Frames start .. start + frames, [1, mel, frames]; past the buffer's end is an error (the official
         buffer caps prompt + output at 15000 frames, 300 s)."""
-        if frames > self.frames:
-            raise ValueError(f"{frames} mel frames exceed the fixed noise buffer ({self.frames} frames)")
-        return self.buffer[:, :, :frames].to(device=device, dtype=dtype)
+        if start + frames > self.frames:
+            raise ValueError(f"{start + frames} mel frames exceed the fixed noise buffer ({self.frames} frames)")
+        return self.buffer[:, :, start : start + frames].to(device=device, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,14 +89,19 @@ def solve(
     cfg: SolverConfig,
     streaming: bool = False,
     noise: FixedNoise | None = None,
+    past: Sequence[Past] | None = None,
 ) -> Tensor:
     """Integrate the flow from the fixed noise to a mel: mu, cond [B, 80, T]; mask [B, 1, T]; spks [B, 80]
     -> mel [B, 80, T] float32. Every batch row starts from the same noise frames (as the official code).
+    With `past` (one per step: each step's estimator pass sees other x), the T frames follow its frames.
 
     cfg_rate 0 skips the unconditional half (its weight is 0, so the result is the same) and halves the work."""
     noise = noise if noise is not None else FixedNoise.for_config(cfg, mel=mu.shape[1])
     b, _, frames = mu.shape
-    x = noise.take(frames, mu.device, mu.dtype).expand(b, -1, -1)
+    if past is not None and len(past) != cfg.steps:
+        raise ValueError(f"{len(past)} pasts for {cfg.steps} ODE steps")
+    start = past[0].frames if past is not None else 0
+    x = noise.take(frames, mu.device, mu.dtype, start).expand(b, -1, -1)
     t_span = cosine_schedule(cfg.steps, mu.device, mu.dtype)
     guided = cfg.cfg_rate != 0
     if guided:  # batch 2B: rows [0, B) conditioned, rows [B, 2B) with mu, spks and cond zeroed
@@ -96,7 +115,8 @@ def solve(
     t, dt = t_span[0], t_span[1] - t_span[0]
     for step in range(1, cfg.steps + 1):
         x_in = torch.cat([x, x]) if guided else x
-        v = estimator(x_in, mask_in, mu_in, t.expand(x_in.shape[0]), spks_in, cond_in, streaming=streaming)
+        kw = {"past": past[step - 1]} if past is not None else {}  # an estimator without a past is called as before
+        v = estimator(x_in, mask_in, mu_in, t.expand(x_in.shape[0]), spks_in, cond_in, streaming=streaming, **kw)
         if guided:
             v_cond, v_uncond = v[:b], v[b:]
             v = (1.0 + cfg.cfg_rate) * v_cond - cfg.cfg_rate * v_uncond

@@ -31,6 +31,13 @@ from 4 frames past each overlap on). The cross-fade's weights sum to 1, not Cosy
 (which sum to about 1.08 and make every cross-faded 160 ms ~8 % louder, a swell each 400 ms): the two calls
 overlapping are nearly the same signal here, so an amplitude-complementary fade gives the one-call PCM.
 
+The flow cache. Chunk masks make every frame a call keeps final, so the next call need not run it
+again: the stream keeps the flow's `Past` (per ODE step, each causal convolution's last input frames and
+each attention's keys and values) and each call solves only its new frames against it, starting from the
+voice prompt's past (`CodecDecoder.prompt_past`, made once per voice). A call then costs the same
+however late it comes, at ~2.3 MB of keys and values a frame at the true shape in bfloat16
+(docs/codec.md, "The flow cache"); `flow_cache=False` re-runs the whole prefix instead.
+
 The last flow call uses chunk masks too, so the stream equals `CodecDecoder.whole()` whatever the way the codes
 arrive. CosyVoice2 (and the third-party MOSS port) run that last call with streaming=False; `final_offline`
 does that, at the price of the tail not being the one-call decode's."""
@@ -43,6 +50,7 @@ import torch
 from torch import Tensor
 
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
+from workflow.codec.estimator import Past
 from workflow.codec.hift import DEFAULT_SEED
 
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
@@ -60,7 +68,11 @@ class CodecStream:
         mel_cache: int = MEL_CACHE,
         final_offline: bool = False,
         keep_mel: bool = False,
+        flow_cache: bool = True,
+        past: list[Past] | None = None,
     ) -> None:
+        """past: the voice prompt's flow past (`decoder.prompt_past(prompt)`), copied; made here if not
+        given. Unused with flow_cache False."""
         cfg = decoder.cfg
         if cfg.chunk <= 0:
             raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
@@ -77,6 +89,7 @@ class CodecStream:
         self.finished = False
         self.emitted = 0  # PCM samples returned so far
         self.mels: list[Tensor] | None = [] if keep_mel else None  # each flow call's new frames, if kept
+        self.past = None if not flow_cache else [p.copy() for p in past or decoder.prompt_past(prompt)]
         # HiFT state; frames count from the first code (the prompt's are never vocoded)
         self.frames = 0  # mel frames vocoded so far
         self.start = 0  # first frame of the next HiFT call (the cached frames)
@@ -130,7 +143,10 @@ class CodecStream:
 
     def _flow(self, codes: list[int], *, streaming: bool, finalize: bool, final: bool) -> Tensor:
         stride = self.decoder.stride
-        mel = self.decoder.mel(codes, self.prompt, streaming=streaming, finalize=finalize, offset_frames=self.offset * stride)
+        past = self.past if streaming else None  # an offline last call reads every frame
+        mel = self.decoder.mel(
+            codes, self.prompt, streaming=streaming, finalize=finalize, offset_frames=self.offset * stride, past=past
+        )
         if self.mels is not None:
             self.mels.append(mel)
         return self._vocode(mel, final)

@@ -1,18 +1,23 @@
 """What the codec decoder's stream costs, stage by stage: the benchmark's `codec` section.
 
 A stream's flow call (stream.py) re-runs the flow front end on every code so far (prompt first,
-the last `lookahead` codes as context), integrates the ODE over all those frames (each step one
-estimator pass at 2B rows: classifier-free guidance), keeps the 20 new frames, and HiFT vocodes
-them with its 8 cached ones. So a call costs more the later it comes. Two calls are timed: the
-first chunk (the prompt + chunk + lookahead codes) and one `later_codes` into the reply; each at
-every batch in `batches` (streams whose calls fall due together, the same length here).
+the last `lookahead` codes as context), integrates the ODE (each step one estimator pass at 2B
+rows: classifier-free guidance) and HiFT vocodes the new frames with its 8 cached ones. With the
+flow cache (estimator.Past) the ODE runs only the frames after the last call's end, against the
+cached keys and values of those before (the first call: after the voice prompt's past, made once
+per voice); without it, over every frame so far, so a call costs more the later it comes. Two
+calls are timed: the first chunk (the prompt + chunk + lookahead codes) and one `later_codes`
+into the reply; each at every batch in `batches` (streams whose calls fall due together, the
+same length here).
 
-Two ways to run it, on the same weights (random, of the preset's shape, or the codec's checkpoint):
-- `baseline`: the official code's structure, float32 and eager, one stream at a time (batch 1);
-  HiFT there is the same batched call, eager;
-- ours: `dtype`, and on CUDA the front end, one ODE step and the whole solve each replayed from a
-  CUDA graph per shape; HiFT (float32) runs every stream's frames at once, its network and iSTFT
-  from a graph, its NSF source eager (its noise comes from a generator).
+Three ways to run it, on the same weights (random, of the preset's shape, or the codec's checkpoint):
+- `baseline`: the official code's structure (no cache), float32 and eager, one stream at a time
+  (batch 1); HiFT there is the same batched call, eager;
+- ours: `dtype`, the flow cache, and on CUDA the front end, one ODE step and the whole solve each
+  replayed from a CUDA graph per shape (the past's length included); HiFT (float32) runs every
+  stream's frames at once, its network and iSTFT from a graph, its NSF source eager (its noise
+  comes from a generator);
+- `rerun` ("ours, no cache"): ours re-running every frame, the cache's A/B.
 
 `ttfa_ms`: one stream end to end at batch 1, the engine's prefill and decode steps to the first
 chunk's codes, then that chunk's decode with our runner: time to first audio with the real
@@ -32,6 +37,7 @@ from workflow import roofline
 from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder
+from workflow.codec.estimator import Past
 from workflow.codec.solver import solve
 from workflow.cudagraphs import Graphs
 from workflow.report import percentiles
@@ -49,6 +55,7 @@ class CodecTiming:
     batches: tuple[int, ...] = (1, 2)
     repeat: int = 3
     baseline: bool = True  # also time the official structure (float32, eager, batch 1)
+    rerun: bool = True  # also time ours without the flow cache (every frame so far, each call)
     weights: str | None = None  # None: random; local:<dir> or hf:<repo>@<rev>: the codec's checkpoint (checkpoint.py)
     seed: int = 0
     graphs: bool = True  # CUDA only
@@ -66,7 +73,9 @@ class CodecTiming:
 class Runner:
     """One flow call and its HiFT, batched over streams of one length, each stage a callable."""
 
-    def __init__(self, dec: CodecDecoder, batch: int, body: int, prompt_codes: int, graphs: bool):
+    def __init__(self, dec: CodecDecoder, batch: int, body: int, prompt_codes: int, graphs: bool, past_frames: int = 0):
+        """past_frames > 0: the flow cache holds that many frames (made here, by the solve over them);
+        the call solves the rest."""
         cfg, dev = dec.cfg, dec.device
         dtype = dec.estimator.final_proj.weight.dtype
         g = torch.Generator().manual_seed(batch * 7919 + body)
@@ -84,6 +93,18 @@ class Runner:
         two = (torch.cat([v, v]) for v in (self.mask, self.mu, self.spks, self.cond))
         self.pass_args = (torch.randn(2 * batch, cfg.encoder.mel, self.frames, generator=g).to(dev, dtype), *two)
         self.t = torch.full((2 * batch,), 0.5, device=dev, dtype=dtype)
+        self.start, self.past = past_frames, None
+        if past_frames:
+            self.past = [Past() for _ in range(cfg.solver.steps)]
+            with torch.no_grad():
+                solve(
+                    dec.estimator,
+                    *self._frames(self.mu, self.mask, self.spks, self.cond, end=past_frames),
+                    cfg.solver,
+                    True,
+                    dec.noise,
+                    self.past,
+                )
         self.mel = torch.randn(batch, cfg.encoder.mel, 8 + self.new, generator=g).to(dev)
         self.source = torch.zeros(batch, 1, (8 + self.new) * cfg.hift.hop, device=dev)
         self.noise = torch.Generator(dev).manual_seed(0)
@@ -103,16 +124,33 @@ class Runner:
         x, ctx = f.input_embedding(self.tokens), f.input_embedding(self.context)
         return f.encoder_proj(f.encoder(x, self.lengths, self.dec.cfg.chunk, ctx)).transpose(1, 2)
 
+    def _frames(self, *args: torch.Tensor, end: int | None = None) -> list[torch.Tensor]:
+        """The per-frame arguments ([B, C, T]) cut to the frames a call solves: from the past's end, or to `end`."""
+        cut = slice(0, end) if end is not None else slice(self.start, None)
+        return [a[..., cut] if a.dim() == 3 else a for a in args]
+
+    def _copy(self, i: int | None = None) -> list[Past] | Past | None:
+        """A fresh copy of the past (step i's, or every step's), so that each timed call starts from it."""
+        if self.past is None:
+            return None
+        return self.past[i].copy() if i is not None else [p.copy() for p in self.past]
+
     @torch.no_grad()
     def ode_step(self) -> torch.Tensor:
-        """One estimator pass over 2B rows (the conditioned and the unconditioned half)."""
-        x, mask, mu, spks, cond = self.pass_args
-        return self.dec.estimator(x, mask, mu, self.t, spks, cond, streaming=True)
+        """One estimator pass over 2B rows (the conditioned and the unconditioned half), the middle step's past."""
+        x, mask, mu, spks, cond = self._frames(*self.pass_args)
+        return self.dec.estimator(
+            x, mask, mu, self.t, spks, cond, streaming=True, past=self._copy(self.dec.cfg.solver.steps // 2)
+        )
 
     @torch.no_grad()
     def solve(self) -> torch.Tensor:
-        cfg = self.dec.cfg
-        return solve(self.dec.estimator, self.mu, self.mask, self.spks, self.cond, cfg.solver, True, self.dec.noise)
+        cfg, args = self.dec.cfg, self._frames(self.mu, self.mask, self.spks, self.cond)
+        return solve(self.dec.estimator, *args, cfg.solver, True, self.dec.noise, self._copy())
+
+    def past_bytes(self) -> int:
+        """The flow cache's bytes, every step's (0 without it)."""
+        return sum(p.nbytes() for p in self.past or [])
 
     @torch.no_grad()
     def hift(self) -> torch.Tensor:
@@ -154,16 +192,24 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     engine's part and the first chunk's decode timed as one."""
     ours, base = decoders(t, device)
     cfg = ours.cfg
-    la, chunk = cfg.encoder.lookahead, cfg.chunk
+    la, chunk, stride = cfg.encoder.lookahead, cfg.chunk, cfg.encoder.stride
     calls = {"first": t.prompt_codes + chunk, "later": t.prompt_codes + t.later_codes + chunk}  # body codes
+    cf = chunk * stride  # a chunk's frames: a past ends on a chunk boundary
+    cached = {  # the frames the flow cache holds at each call: the voice prompt's past; the last call's end
+        "first": max(0, (t.prompt_codes - la) * stride // cf * cf),
+        "later": (calls["later"] - chunk) * stride // cf * cf,
+    }
     graphs = t.graphs and device.type == "cuda"
     rows = []
-    variants = [("ours", ours, t.batches, graphs)] + ([("baseline", base, (1,), False)] if base else [])
-    for variant, dec, batches, use_graphs in variants:
+    variants = [("ours", ours, t.batches, graphs, True)]
+    variants += [("ours, no cache", ours, t.batches, graphs, False)] if t.rerun else []
+    variants += [("baseline", base, (1,), False, False)] if base else []
+    for variant, dec, batches, use_graphs, cache in variants:
         for call, body in calls.items():
             for batch in batches:
-                run = Runner(dec, batch, body, t.prompt_codes, use_graphs)
+                run = Runner(dec, batch, body, t.prompt_codes, use_graphs, cached[call] if cache else 0)
                 row = {"variant": variant, "call": call, "batch": batch, "codes": body + la, "frames": run.frames}
+                row |= {"solved_frames": run.frames - run.start, "past_mib": run.past_bytes() / 2**20}
                 rows.append(row | stage_ms(run, device, t.repeat))
                 close(run)
                 del run
@@ -181,7 +227,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         "calls": rows,
     }
     if first_codes is not None:
-        run = Runner(ours, 1, calls["first"], t.prompt_codes, graphs)
+        run = Runner(ours, 1, calls["first"], t.prompt_codes, graphs, cached["first"])
 
         def first_audio() -> None:
             first_codes(chunk + la)
