@@ -10,7 +10,7 @@ import torch
 import yaml
 from test_generate import IDS, Scripted
 
-from workflow.detokenize import Inline, host_time, overlaps
+from workflow.detokenize import Inline, StandIn, host_time, overlaps
 from workflow.stream import Chunk, Timeline, audio_seconds, check_stream, device_clock, run_stream
 from workflow.traffic import speech_prompt
 from workflow.vocoder import MelStandIn
@@ -63,7 +63,7 @@ def make_stream(num_tokens=10, chunk=5, overlap=False, outputs=None):
         return wav
 
     prompt = speech_prompt(1, 8, IDS, seed=0)
-    return run_stream(engine, mel_stage, vocoder, prompt, num_tokens, chunk, SPT, IDS, clock, overlap=overlap)
+    return run_stream(engine, StandIn(mel_stage, vocoder, SPT), prompt, num_tokens, chunk, IDS, clock, overlap=overlap)
 
 
 def test_ttfa_rtf_and_stages_on_a_fake_clock():
@@ -156,14 +156,14 @@ def test_inline_times_each_stage_with_the_clock():
         clock.t += 0.030
         return torch.ones(m.shape[0], 1, 3 * SPT)
 
-    detok = Inline(mel, vocoder, SPT, 2, torch.device("cpu"), clock)
+    detok = Inline(StandIn(mel, vocoder, SPT), clock)
     clock.t = 1.0
     assert detok.start() == 1.0
     t_start = detok.stamp()
     clock.t = 1.5  # a stamp keeps the time it was taken at
     detok.submit(torch.zeros(2, 2, dtype=torch.long), 0, t_start=t_start)
     chunks, pcm = detok.finish()
-    assert chunks == [Chunk(2, 1.0, pytest.approx(1.502), pytest.approx(1.532))]
+    assert chunks == [Chunk(2, 1.0, pytest.approx(1.502), pytest.approx(1.532), 2 * SPT)]
     assert pcm.shape == (2, 2 * SPT)
 
 
@@ -272,7 +272,8 @@ def test_overlapped_pcm_equals_inline_pcm_bit_for_bit_and_decoding_does_not_wait
     for overlap in (False, True, False, True):  # the first two capture the vocoder's graphs
         clock = device_clock(CUDA)
         engine = BusyScript(codes, batch=2)
-        timeline, audio = run_stream(engine, mel, vocode, prompt, num_tokens, chunk, spt, IDS, clock, overlap=overlap)
+        speech = StandIn(mel, vocode, spt)
+        timeline, audio = run_stream(engine, speech, prompt, num_tokens, chunk, IDS, clock, overlap=overlap)
         t_end = clock()
         assert check_stream(timeline, audio, num_tokens, chunk, spt) == []
         results[overlap] = timeline, audio, t_end
@@ -310,11 +311,43 @@ def test_first_chunk_alone_holds_decoding_once():
     for _ in range(2):  # the first run captures the vocoder's graphs
         clock = device_clock(CUDA)
         timeline, audio = run_stream(
-            BusyScript(codes, batch=2), mel, lambda m: graphed(m.to(torch.bfloat16)), prompt, num_tokens, chunk, spt, IDS,
-            clock, overlap=True, first_alone=True,
+            BusyScript(codes, batch=2), StandIn(mel, lambda m: graphed(m.to(torch.bfloat16)), spt), prompt, num_tokens,
+            chunk, IDS, clock, overlap=True, first_alone=True,
         )  # fmt: skip
     assert check_stream(timeline, audio, num_tokens, chunk, spt) == []
     steps = [timeline.t_tokens.index(c.t_start) for c in timeline.chunks]
     assert timeline.t_tokens[steps[0] + 1] >= timeline.chunks[0].t_ready
     later = [timeline.t_tokens[i + 1] < c.t_ready for i, c in zip(steps[1:-1], timeline.chunks[1:-1], strict=True)]
     assert any(later)
+
+
+# --- MOSS-Speech's codec decoder as the detokenizer ---------------------------------------
+
+
+def test_the_codec_decoder_streams_a_request_as_its_own_stream_would():
+    """run_stream through CodecSpeech gives the PCM a CodecStream of its own gives for the same codes,
+    pushed chunk by chunk; the first chunk (5 codes) makes no PCM (the first comes after
+    8: chunk + lookahead), so time to first audio is the second chunk's; the last flushes the rest."""
+    from workflow.codec.config import CodecConfig
+    from workflow.codec.decoder import CodecDecoder, VoicePrompt
+    from workflow.codec.hift import DEFAULT_SEED
+    from workflow.codec.stream import CodecSpeech, CodecStream
+
+    torch.manual_seed(0)
+    decoder = CodecDecoder(CodecConfig.tiny()).eval()
+    g = torch.Generator().manual_seed(1)
+    voice = VoicePrompt(
+        torch.randint(0, 1000, (10,), generator=g), torch.randn(80, 40, generator=g), torch.randn(192, generator=g)
+    )
+    clock, num_tokens, chunk = FakeClock(), 17, 5
+    codes = [7 + i for i in range(num_tokens + 1)]
+    timeline, audio = run_stream(
+        TimedScript(clock, codes), CodecSpeech(decoder, voice, 1), speech_prompt(1, 8, IDS, seed=0), num_tokens, chunk, IDS, clock
+    )
+    assert check_stream(timeline, audio, num_tokens, chunk, SPT) == [] and audio.shape == (1, num_tokens * SPT)
+    assert [c.tokens for c in timeline.chunks] == [5, 5, 5, 2]
+    assert timeline.chunks[0].samples == 0 and timeline.audible() == timeline.chunks[1:]
+    assert timeline.ttfa_ms() == 1e3 * (timeline.chunks[1].t_ready - timeline.t_request)
+    own = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED))
+    pieces = [own.push(codes[i : min(i + chunk, num_tokens)]) for i in range(0, num_tokens, chunk)]
+    assert torch.equal(audio[0], torch.cat([*pieces, own.finish()]))

@@ -27,8 +27,9 @@ import torch
 
 from workflow import artifacts, report, roofline, traffic
 from workflow.codec import timing as codec_timing
+from workflow.codec.stream import CodecSpeech
 from workflow.codec.timing import CodecTiming
-from workflow.detokenize import Batched, overlaps
+from workflow.detokenize import Batched, Speech, StandIn, overlaps
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.engines.slots import batch_bucket
@@ -46,6 +47,7 @@ from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
 SCHEMA = Path(__file__).with_name("benchmark.schema.json")
+CODEC_ROW = "engine + codec"  # the streams row whose detokenizer is MOSS-Speech's codec decoder
 
 
 def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len: int = 0) -> dict:
@@ -78,8 +80,8 @@ def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len
     return out
 
 
-def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Ids, batch: int) -> dict:
-    """Warm-up, then R runs of `batch` streams decoded as one batch."""
+def streams(engine: Engine, p: dict, speech: Callable[[int], Speech], spt: int, ids: Ids, batch: int) -> dict:
+    """Warm-up, then R runs of `batch` streams decoded as one batch, each through a new speech(batch)."""
     prompt = traffic.speech_prompt(batch, p["prompt_len"], ids, p["seed"])
     sampling = sampling_of(p)
     overlap = overlaps(p["vocoder"].get("overlap", True), engine.device)
@@ -89,9 +91,8 @@ def streams(engine: Engine, p: dict, mel: MelStandIn, vocoder, spt: int, ids: Id
     for i in range(p["warmup"] + p["runs"]):
         g = torch.Generator(engine.device).manual_seed(p["seed"] + i)
         timeline, audio = run_stream(
-            engine, mel, vocoder, prompt, p["num_tokens"], p["chunk_tokens"], spt, ids, clock, sampling, g, overlap,
-            first_alone,
-        )  # fmt: skip
+            engine, speech(batch), prompt, p["num_tokens"], p["chunk_tokens"], ids, clock, sampling, g, overlap, first_alone
+        )
         problems = check_stream(timeline, audio, p["num_tokens"], p["chunk_tokens"], spt)
         if problems:
             raise SystemExit(f"benchmark FAILED ({batch} streams): " + "; ".join(problems))
@@ -154,6 +155,9 @@ def summarize(b: dict, concurrency: list[int], reply_len: int) -> dict:
         "text_catch_up_ms": micro["decode_text_after_reply_ms"]["p50"] - micro["decode_text_mode_ms"]["p50"],
     }
     out["decode_step_amortized_ms"] = decode + out["text_catch_up_ms"] / reply_len
+    if CODEC_ROW in b["streams"]:  # one stream with the real decoder in place of the stand-in
+        codec = b["streams"][CODEC_ROW]["1"]
+        out |= {"ttfa_ms_p50_codec": codec["ttfa_ms"]["p50"], "rtf_codec": codec["rtf"]["p50"]}
     if "eager_baseline" in b["microbench"]:
         base = b["microbench"]["eager_baseline"]
         out["speedup_vs_eager_decode"] = base["decode_audio_mode_ms"]["p50"] / decode
@@ -203,11 +207,14 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             return vocoder(m.to(dtype))
 
+    def stand_in(batch: int) -> StandIn:
+        return StandIn(mel, vocode, spt)
+
     def measure(name: str, system: Engine) -> None:
         reply_len = p["num_tokens"] if name == "engine" else 0  # the eager baseline defers nothing: minutes saved
         b["microbench"][name] = microbench(system, p["prompt_len"], ids, p["micro_repeat"], reply_len)
         batches = concurrency if name == "engine" else [1]
-        b["streams"][name] = {str(n): streams(system, p, mel, vocode, spt, ids, n) for n in batches}
+        b["streams"][name] = {str(n): streams(system, p, stand_in, spt, ids, n) for n in batches}
         print(f"{name}: " + ", ".join(f"{n} streams RTF p50 {r['rtf']['p50']:.3f}" for n, r in b["streams"][name].items()))
 
     b: dict = {"streams": {}, "microbench": {}}
@@ -238,7 +245,18 @@ def main(argv: list[str] | None = None) -> None:
     }
     if p.get("codec"):  # before the load: its graphs hold tens of GB once made
         prompt = traffic.speech_prompt(1, p["prompt_len"], ids, seed=0)
-        b["codec"] = codec_timing.measure(CodecTiming.from_dict(p["codec"]), device, first_codes(engine, prompt, ids))
+        codec = CodecTiming.from_dict(p["codec"])
+        b["codec"] = codec_timing.measure(codec, device, first_codes(engine, prompt, ids))
+        if codec.stream:  # one stream end to end, the real decoder streaming in place of the stand-in
+            decoder, voice = codec_timing.stream_decoder(codec, device)
+            past = decoder.prompt_past(voice)  # made once per voice
+
+            def speech(batch: int) -> CodecSpeech:
+                return CodecSpeech(decoder, voice, batch, past)
+
+            b["streams"][CODEC_ROW] = {"1": streams(engine, p, speech, decoder.samples_per_code, ids, 1)}
+            print(f"{CODEC_ROW}: 1 stream RTF p50 {b['streams'][CODEC_ROW]['1']['rtf']['p50']:.3f}")
+            del decoder, voice, past, speech
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if load_cfg:
@@ -256,7 +274,12 @@ def main(argv: list[str] | None = None) -> None:
             "options": meta["options"].to_dict(),
         },
         "vocoder": vinfo.__dict__ | {"compiled": compiled},
-        "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder",
+        "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder"
+        + (
+            f", but for the `{CODEC_ROW}` row: MOSS-Speech's codec decoder streaming (flow + HiFT, eager)"
+            if CODEC_ROW in b["streams"]
+            else ""
+        ),
         "settings": p,
         "versions": versions(),
         "commit": commit(),

@@ -1,10 +1,12 @@
 """The detokenizer stage of a stream, two ways: in line with decoding, or overlapped with it on
 a second CUDA stream; and serving's (`Batched`), chunks of many streams at once.
 
-Each chunk of K codes goes codes -> mel -> vocoder -> PCM of exactly K x 80 ms (frames come
-hop-aligned, so a few samples carry over to the next chunk). The figures mean the same either
-way: a chunk's t_mel is "its mel is done", t_ready "its PCM is ready". How they are read
-differs:
+A request's chunks go through a `Speech`, in two timed stages: codes -> mel, then mel -> the PCM
+that became final. `StandIn` gives each chunk of K codes exactly K x 80 ms (a code->mel table, then a
+vocoder; frames come hop-aligned, so a few samples carry over to the next chunk). MOSS-Speech's codec
+decoder (`codec.stream.CodecSpeech`) gives PCM later than its codes (its lookahead, its cross-fade):
+the first after 8 codes, the rest at `finish`. The figures mean the same either way: a chunk's t_mel
+is "its mel is done", t_ready "the PCM it made final is ready". How they are read differs:
 
 - Inline: the stage runs on the decoding stream, each time read by the clock (which
   synchronises first), so decoding waits for the vocoder: what a one-stream server does, and
@@ -14,7 +16,7 @@ differs:
   events recorded on the side stream after the mel and after the PCM, read once the request's
   work is all done and put on the host clock through an anchor event (`host_time`). The side
   stream has the highest priority: when both have work, the GPU runs the vocoder's blocks
-  first. With `first_alone`, decoding waits for the first chunk's PCM (once): that chunk is
+  first. With `first_alone`, decoding waits for the first PCM (once): the chunk that makes it is
   vocoded with the GPU to itself, as in line, which is what time to first audio measures.
 
 Both also give the stream's own timestamps as `Stamp`s: taken now, read later. In line a stamp
@@ -26,7 +28,8 @@ the timing would change what it times).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,12 +41,22 @@ Mel = Callable[[torch.Tensor, int], torch.Tensor]  # (codes [B, K], codes before
 Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel [B, M, F] -> waveform [B, 1, F x hop]
 
 
+class Speech(Protocol):
+    """One request's codes -> PCM, in two stages: `mel(codes [B, K], done, last)` (the K codes after
+    `done` earlier ones; last: none follow), then `pcm(that)`: the PCM [B, n] that became final."""
+
+    def mel(self, codes: torch.Tensor, done: int, last: bool) -> object: ...
+
+    def pcm(self, mel: object) -> torch.Tensor: ...
+
+
 @dataclass
 class Chunk:
     tokens: int  # codes in this chunk
     t_start: float  # its last code was sampled
     t_mel: float  # stage 1 done
     t_ready: float  # PCM ready
+    samples: int = -1  # the PCM it made final, per stream (-1: tokens x samples a token, the stand-in's)
 
 
 def overlaps(overlap: bool, device: torch.device) -> bool:
@@ -64,33 +77,37 @@ def host_time(t_anchor: float, elapsed_ms: float) -> float:
 
 
 @dataclass
-class _Pcm:
-    """The stream's PCM so far: each chunk emits exactly its codes x samples_per_token, and the
-    rest of its hop-aligned waveform carries over to the next."""
+class StandIn:
+    """The stand-in detokenizer: a code->mel table, then a vocoder; each chunk emits exactly its
+    codes x samples_per_token, and the rest of its hop-aligned waveform carries over to the next."""
 
-    spare: torch.Tensor  # [B, n] vocoded, not yet emitted
+    table: Mel
+    vocoder: Vocoder
     samples_per_token: int
-    pieces: list[torch.Tensor] = field(default_factory=list)
+    spare: torch.Tensor | None = None  # [B, n] vocoded, not yet emitted (made where the first PCM is)
 
-    def add(self, wav: torch.Tensor, codes: int) -> None:
-        """wav [B, 1, S] of a chunk of `codes` codes."""
-        wav = torch.cat([self.spare, wav[:, 0].float()], dim=1)
+    def mel(self, codes: torch.Tensor, done: int, last: bool) -> tuple[torch.Tensor, int]:
+        return self.table(codes, done), codes.shape[1]
+
+    def pcm(self, mel: tuple[torch.Tensor, int]) -> torch.Tensor:
+        m, codes = mel
+        wav = self.vocoder(m)[:, 0].float()
+        wav = wav if self.spare is None else torch.cat([self.spare, wav], dim=1)
         n = codes * self.samples_per_token
-        self.pieces.append(wav[:, :n])
         self.spare = wav[:, n:]
+        return wav[:, :n]
 
-    def join(self) -> torch.Tensor:
-        if not self.pieces:
-            return torch.zeros(self.spare.shape[0], 0)
-        return torch.cat(self.pieces, dim=1)
+
+def _join(pieces: list[torch.Tensor], batch: int) -> torch.Tensor:
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros(batch, 0)
 
 
 class Inline:
-    """Mel and vocoder on the decoding stream, each timed by the clock: decoding waits."""
+    """Both stages on the decoding stream, each timed by the clock: decoding waits."""
 
-    def __init__(self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock):
-        self.mel, self.vocoder, self.clock = mel, vocoder, clock
-        self.pcm = _Pcm(torch.zeros(batch, 0, device=device), samples_per_token)
+    def __init__(self, speech: Speech, clock: Clock):
+        self.speech, self.clock = speech, clock
+        self.pieces: list[torch.Tensor] = []
         self.chunks: list[Chunk] = []
 
     def start(self) -> float:
@@ -102,33 +119,29 @@ class Inline:
         t = self.clock()
         return lambda: t
 
-    def submit(self, codes: torch.Tensor, done: int, t_start: Stamp) -> None:
-        """Detokenize codes [B, K] (after `done` earlier codes), whose last was sampled at t_start."""
-        m = self.mel(codes, done)
+    def submit(self, codes: torch.Tensor, done: int, t_start: Stamp, last: bool = False) -> None:
+        """Detokenize codes [B, K] (after `done` earlier codes; last: none follow), whose last was sampled at t_start."""
+        m = self.speech.mel(codes, done, last)
         t_mel = self.clock()
-        self.pcm.add(self.vocoder(m), codes.shape[1])
-        self.chunks.append(Chunk(codes.shape[1], t_start(), t_mel, self.clock()))
+        self.pieces.append(self.speech.pcm(m))
+        self.chunks.append(Chunk(codes.shape[1], t_start(), t_mel, self.clock(), self.pieces[-1].shape[1]))
 
     def finish(self) -> tuple[list[Chunk], torch.Tensor]:
-        """Every chunk's times, and the PCM [B, codes x samples_per_token]."""
-        return self.chunks, self.pcm.join()
+        """Every chunk's times, and the PCM [B, samples]."""
+        return self.chunks, _join(self.pieces, len(self.pieces[0]) if self.pieces else 0)
 
 
 class Overlapped:
-    """Mel and vocoder on a side CUDA stream, timed by events: decoding does not wait. The
-    clock is read once, at the request (`start`); every later time is an event."""
+    """Both stages on a side CUDA stream, timed by events: decoding does not wait. The clock is
+    read once, at the request (`start`); every later time is an event."""
 
-    def __init__(
-        self, mel: Mel, vocoder: Vocoder, samples_per_token: int, batch: int, device: torch.device, clock: Clock,
-        first_alone: bool = False,
-    ):  # fmt: skip
-        self.mel, self.vocoder, self.clock, self.first_alone = mel, vocoder, clock, first_alone
+    def __init__(self, speech: Speech, device: torch.device, clock: Clock, first_alone: bool = False):
+        self.speech, self.clock, self.first_alone = speech, clock, first_alone
         self.main = torch.cuda.current_stream(device)
         self.side = torch.cuda.Stream(device, priority=-100)  # clamped to the highest there is
         self.anchor = torch.cuda.Event(enable_timing=True)
         self.t_anchor = 0.0
-        with torch.cuda.stream(self.side):
-            self.pcm = _Pcm(torch.zeros(batch, 0, device=device), samples_per_token)
+        self.pieces: list[torch.Tensor] = []
         self.events: list[tuple[int, Stamp, torch.cuda.Event, torch.cuda.Event]] = []
         self.inputs: list[torch.Tensor] = []
 
@@ -149,7 +162,7 @@ class Overlapped:
         """An event's host time (`host_time`); the event must be complete."""
         return host_time(self.t_anchor, self.anchor.elapsed_time(event))
 
-    def submit(self, codes: torch.Tensor, done: int, t_start: Stamp) -> None:
+    def submit(self, codes: torch.Tensor, done: int, t_start: Stamp, last: bool = False) -> None:
         """Enqueue codes [B, K] on the side stream and return at once."""
         self.side.wait_stream(self.main)  # the codes are computed
         # made on the decoding stream, read on the side one: held until finish() so that the
@@ -157,41 +170,35 @@ class Overlapped:
         self.inputs.append(codes)
         mel_done, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.side):  # what is allocated here belongs to the side stream
-            m = self.mel(codes, done)
+            m = self.speech.mel(codes, done, last)
             mel_done.record(self.side)
-            self.pcm.add(self.vocoder(m), codes.shape[1])
+            self.pieces.append(self.speech.pcm(m))
             ready.record(self.side)
-        if self.first_alone and not self.events:
-            self.main.wait_stream(self.side)  # the next decode step waits for this chunk's PCM
+        if self.first_alone and self.pieces[-1].shape[1] and not any(p.shape[1] for p in self.pieces[:-1]):
+            self.main.wait_stream(self.side)  # the next decode step waits for the first PCM
         self.events.append((codes.shape[1], t_start, mel_done, ready))
 
     def finish(self) -> tuple[list[Chunk], torch.Tensor]:
         """Wait for the side stream, join the PCM on the decoding stream, then read the events."""
         self.main.wait_stream(self.side)
-        pcm = self.pcm.join()  # on the decoding stream, after every chunk
+        pcm = _join(self.pieces, len(self.pieces[0]) if self.pieces else 0)  # on the decoding stream, after every chunk
         self.main.synchronize()  # the side stream's work is done too: it came before
         self.inputs.clear()
-        chunks = [Chunk(k, t_start(), self._host(m), self._host(r)) for k, t_start, m, r in self.events]
+        chunks = [
+            Chunk(k, t_start(), self._host(m), self._host(r), piece.shape[1])
+            for (k, t_start, m, r), piece in zip(self.events, self.pieces, strict=True)
+        ]
         return chunks, pcm
 
 
 Detokenizer = Inline | Overlapped
 
 
-def detokenizer(
-    mel: Mel,
-    vocoder: Vocoder,
-    samples_per_token: int,
-    batch: int,
-    device: torch.device,
-    clock: Clock,
-    overlap: bool,
-    first_alone: bool = False,
-) -> Detokenizer:
+def detokenizer(speech: Speech, device: torch.device, clock: Clock, overlap: bool, first_alone: bool = False) -> Detokenizer:
     """Overlapped where asked for and on CUDA (first_alone: see `Overlapped`), else in line."""
     if overlaps(overlap, device):
-        return Overlapped(mel, vocoder, samples_per_token, batch, device, clock, first_alone)
-    return Inline(mel, vocoder, samples_per_token, batch, device, clock)
+        return Overlapped(speech, device, clock, first_alone)
+    return Inline(speech, clock)
 
 
 Ready = Callable[[bool], float | None]  # (wait) -> when a batch's PCM was ready (host seconds); None: not yet

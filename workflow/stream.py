@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workflow import roofline
-from workflow.detokenize import Chunk, Clock, Mel, Stamp, Vocoder, detokenizer
+from workflow.detokenize import Chunk, Clock, Speech, Stamp, detokenizer
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling, generate
 from workflow.vocoder import SECONDS_PER_TOKEN
@@ -65,16 +65,20 @@ class Timeline:
             "vocoder_ms": [1e3 * (c.t_ready - c.t_mel) for c in self.chunks],
         }
 
+    def audible(self) -> list[Chunk]:
+        """The chunks that made PCM final (the codec decoder's first makes none: its lookahead)."""
+        return [c for c in self.chunks if c.samples != 0]
+
     def ttfa_ms(self) -> float:
-        return 1e3 * (self.chunks[0].t_ready - self.t_request)
+        return 1e3 * (self.audible()[0].t_ready - self.t_request)
 
     def chunk_latency_ms(self) -> list[float]:
         """Each chunk's ready time after the request."""
         return [1e3 * (c.t_ready - self.t_request) for c in self.chunks]
 
     def gaps_ms(self) -> list[float]:
-        """Time between consecutive chunks; above the chunk's duration the listener waits."""
-        ready = [c.t_ready for c in self.chunks]
+        """Time between consecutive chunks that made PCM; above the audio before, the listener waits."""
+        ready = [c.t_ready for c in self.audible()]
         return [1e3 * (b - a) for a, b in itertools.pairwise(ready)]
 
     def wall_s(self) -> float:
@@ -103,12 +107,10 @@ class _Timed:
 
 def run_stream(
     engine: Engine,
-    mel: Mel,
-    vocoder: Vocoder,
+    speech: Speech,
     prompt: torch.Tensor,
     num_tokens: int,
     chunk_tokens: int,
-    samples_per_token: int,
     ids: Ids,
     clock: Clock,
     sampling: Sampling = GREEDY,
@@ -116,14 +118,14 @@ def run_stream(
     overlap: bool = False,
     first_alone: bool = False,
 ) -> tuple[Timeline, torch.Tensor]:
-    """Stream `num_tokens` audio codes for each prompt row; returns the timeline and the PCM
-    [B, num_tokens * samples_per_token]: each chunk emits exactly its codes x 80 ms.
+    """Stream `num_tokens` audio codes for each prompt row through `speech` (made for this request);
+    returns the timeline and the PCM [B, num_tokens x 80 ms]; the last chunk flushes the rest.
 
     With overlap on CUDA the detokenizer runs on a side stream and the stream's timestamps
     are CUDA events (`detokenize.Stamp`): the host never waits to read a time, and a chunk is
     enqueued right behind the sampling of its last code; first_alone: decoding waits once,
     for the first chunk's PCM (`detokenize.Overlapped`)."""
-    detok = detokenizer(mel, vocoder, samples_per_token, prompt.shape[0], engine.device, clock, overlap, first_alone)
+    detok = detokenizer(speech, engine.device, clock, overlap, first_alone)
     timeline = Timeline(t_request=detok.start())
     tokens_at: list[Stamp] = []
     resumed_at: list[Stamp] = []
@@ -135,9 +137,9 @@ def run_stream(
         tokens_at.append(detok.stamp())
         if all(audio_mode):
             codes.append(tokens[:, 1])
-        pending = len(codes) - done
-        if pending == chunk_tokens or (step == num_tokens - 1 and pending):
-            detok.submit(torch.stack(codes[done:], dim=1), done, tokens_at[-1])
+        pending, last = len(codes) - done, step == num_tokens - 1
+        if pending == chunk_tokens or (last and pending):
+            detok.submit(torch.stack(codes[done:], dim=1), done, tokens_at[-1], last)
             done += pending
         resumed_at.append(detok.stamp())
 

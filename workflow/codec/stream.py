@@ -107,9 +107,17 @@ class CodecStream:
     def _hop(self) -> int:
         return self.chunk + (self.pad if self.offset == 0 else 0)
 
-    @torch.inference_mode()
     def push(self, codes: Sequence[int] | Tensor) -> Tensor:
         """Add codes; returns the PCM that became final (possibly empty), [n * 1920 - held] samples."""
+        return self.vocode(self.flow(codes))
+
+    def finish(self) -> Tensor:
+        """Decode the codes left (the lookahead now reads the end) and return all PCM still held."""
+        return self.vocode(self.flow_rest(), final=True)
+
+    @torch.inference_mode()
+    def flow(self, codes: Sequence[int] | Tensor) -> list[Tensor]:
+        """push's first stage: add codes and run the flow calls now due; their new mel frames."""
         if self.finished:
             raise RuntimeError("push() after finish()")
         new = torch.as_tensor(codes).reshape(-1).tolist()
@@ -121,27 +129,36 @@ class CodecStream:
         while len(self.codes) - self.offset >= self._hop() + self.lookahead:
             hop = self._hop()
             upto = self.offset + hop + self.lookahead
-            out.append(self._flow(self.codes[:upto], streaming=True, finalize=False, final=False))
+            out.append(self._flow(self.codes[:upto], streaming=True, finalize=False))
             self.offset += hop
-        return self._emit(out)
+        return out
 
     @torch.inference_mode()
-    def finish(self) -> Tensor:
-        """Decode the codes left (the lookahead now reads the end) and return all PCM still held."""
+    def flow_rest(self) -> list[Tensor]:
+        """finish's first stage: the last flow call, over the codes left (none if there are none)."""
         if self.finished:
             raise RuntimeError("finish() called twice")
         self.finished = True
         if len(self.codes) == self.offset:  # nothing was pushed (a flow call always leaves lookahead codes)
-            return self._emit([self.held])
-        streaming = not self.final_offline
-        return self._emit([self._flow(self.codes, streaming=streaming, finalize=True, final=True)])
+            return []
+        return [self._flow(self.codes, streaming=not self.final_offline, finalize=True)]
+
+    @torch.inference_mode()
+    def vocode(self, mels: list[Tensor], final: bool = False) -> Tensor:
+        """The second stage: HiFT over each flow call's frames in turn; the PCM that became final (final:
+        the last call's, the held tail included)."""
+        out = [self._vocode(m, final and i == len(mels) - 1) for i, m in enumerate(mels)]
+        if final and not mels:
+            out.append(self.held)
+            self.held = self.held[:0]
+        return self._emit(out)
 
     def _emit(self, parts: list[Tensor]) -> Tensor:
         pcm = torch.cat(parts) if parts else self.held.new_zeros(0)
         self.emitted += pcm.numel()
         return pcm
 
-    def _flow(self, codes: list[int], *, streaming: bool, finalize: bool, final: bool) -> Tensor:
+    def _flow(self, codes: list[int], *, streaming: bool, finalize: bool) -> Tensor:
         stride = self.decoder.stride
         past = self.past if streaming else None  # an offline last call reads every frame
         mel = self.decoder.mel(
@@ -149,7 +166,7 @@ class CodecStream:
         )
         if self.mels is not None:
             self.mels.append(mel)
-        return self._vocode(mel, final)
+        return mel
 
     def _vocode(self, new: Tensor, final: bool) -> Tensor:
         """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
@@ -177,3 +194,23 @@ class CodecStream:
         self.mel_tail = mel[:, max(0, nxt - F0_RADIUS - 1) - first :]
         self.start = nxt
         return pcm[:keep]
+
+
+class CodecSpeech:
+    """A request's streams through the codec decoder, as the detokenizer's `Speech` (detokenize.py):
+    a `CodecStream` per batch row, in one voice; a chunk's flow calls, then their HiFT. Rows run one
+    after another."""
+
+    def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, batch: int, past: list[Past] | None = None, **kw) -> None:
+        past = past if past is not None or not kw.get("flow_cache", True) else decoder.prompt_past(prompt)
+        self.streams = [
+            CodecStream(decoder, prompt, torch.Generator().manual_seed(DEFAULT_SEED + i), past=past, **kw) for i in range(batch)
+        ]
+
+    def mel(self, codes: Tensor, done: int, last: bool) -> list[list[Tensor]]:
+        """Each row's flow calls now due (with `last`, the final one too); codes [B, K]."""
+        return [s.flow(row) + (s.flow_rest() if last else []) for s, row in zip(self.streams, codes.cpu(), strict=True)]
+
+    def pcm(self, mels: list[list[Tensor]]) -> Tensor:
+        """Each row's PCM made final, [B, n] (every row has had as many codes, so as much PCM)."""
+        return torch.stack([s.vocode(m, final=s.finished) for s, m in zip(self.streams, mels, strict=True)])

@@ -25,6 +25,7 @@ decoder, the stream's host bookkeeping (stream.py) left out."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 from collections.abc import Callable
@@ -36,7 +37,7 @@ import torch
 from workflow import roofline
 from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
-from workflow.codec.decoder import CodecDecoder
+from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.solver import solve
 from workflow.cudagraphs import Graphs
@@ -56,6 +57,7 @@ class CodecTiming:
     repeat: int = 3
     baseline: bool = True  # also time the official structure (float32, eager, batch 1)
     rerun: bool = True  # also time ours without the flow cache (every frame so far, each call)
+    stream: bool = True  # the benchmark also streams one request through ours (its `engine + codec` row)
     weights: str | None = None  # None: random; local:<dir> or hf:<repo>@<rev>: the codec's checkpoint (checkpoint.py)
     seed: int = 0
     graphs: bool = True  # CUDA only
@@ -184,6 +186,18 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
     ours.estimator.to(dtype)
     ours.noise.buffer = base.noise.buffer
     return ours, (base if t.baseline else None)
+
+
+def stream_decoder(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, VoicePrompt]:
+    """Ours, as `decoders` makes it, and a voice of `prompt_codes` random codes, log-mel and x-vector
+    (no CAM++ here: the x-vector is random too)."""
+    ours, _ = decoders(dataclasses.replace(t, baseline=False), device)
+    cfg, g = ours.cfg.encoder, torch.Generator().manual_seed(t.seed)
+    codes = torch.randint(0, min(cfg.vocab_size, 16384), (t.prompt_codes,), generator=g)
+    voice = VoicePrompt(
+        codes, torch.randn(cfg.mel, t.prompt_codes * cfg.stride, generator=g), torch.randn(cfg.spk_dim, generator=g)
+    )
+    return ours, voice
 
 
 def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], object] | None = None) -> dict:
