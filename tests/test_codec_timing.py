@@ -35,14 +35,14 @@ def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engi
     reached = []
     out = measure(CodecTiming(batches=(1, 3), repeat=1), torch.device("cpu"), reached.append)
     got = {(r["variant"], r["call"], r["batch"]) for r in out["calls"]}
-    ours = {(v, c, b) for v in ("ours", "ours, no cache") for c in ("first", "later") for b in (1, 3)}
+    ours = {(v, c, b) for v in ("ours", "ours, flow cache") for c in ("first", "later") for b in (1, 3)}
     assert got == ours | {("baseline", c, 1) for c in ("first", "later")}
     row = {(r["variant"], r["call"]): r for r in out["calls"] if r["batch"] == 1}
-    first, later = row["ours", "first"], row["ours", "later"]
+    first, later = row["ours, flow cache", "first"], row["ours, flow cache", "later"]
     assert first["codes"] == 10 + 5 + 3 and later["codes"] == first["codes"] + 20 and first["frames"] == 4 * 15
     # cached: the prompt's whole chunks without the lookahead's (20 frames), then the last call's end
     assert first["solved_frames"] == 60 - 20 and later["solved_frames"] == 20 and later["past_mib"] > first["past_mib"]
-    assert row["ours, no cache", "later"]["solved_frames"] == row["baseline", "later"]["solved_frames"] == 4 * 35
+    assert row["ours", "later"]["solved_frames"] == row["baseline", "later"]["solved_frames"] == 4 * 35
     assert all(r[k] > 0 for r in out["calls"] for k in r if k.endswith("_ms"))
     assert out["first_codes"] == 8 and set(reached) == {8} and out["ttfa_ms"]["n"] == 1
 
@@ -71,6 +71,6 @@ def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):
     gc.disable()
     try:
         measure(CodecTiming(batches=(1, 2), repeat=1), torch.device("cpu"), lambda k: None)
-        assert made == [0] * 11 and len(alive) == 0  # 4 ours, 4 without the cache, 2 baseline, 1 for first audio
+        assert made == [0] * 11 and len(alive) == 0  # 4 ours, 4 with the flow cache, 2 baseline, 1 for first audio
     finally:
         gc.enable()

@@ -27,6 +27,7 @@ import torch
 
 from workflow import artifacts, report, roofline, traffic
 from workflow.codec import timing as codec_timing
+from workflow.codec.solver import PaddedSolve
 from workflow.codec.stream import CodecSpeech
 from workflow.codec.timing import CodecTiming
 from workflow.detokenize import Batched, Speech, StandIn, overlaps
@@ -249,14 +250,17 @@ def main(argv: list[str] | None = None) -> None:
         b["codec"] = codec_timing.measure(codec, device, first_codes(engine, prompt, ids))
         if codec.stream:  # one stream end to end, the real decoder streaming in place of the stand-in
             decoder, voice = codec_timing.stream_decoder(codec, device)
-            past = decoder.prompt_past(voice)  # made once per voice
+            if codec.graphs and device.type == "cuda":  # each call's solve from a CUDA graph per bucket of frames
+                kw = {"flow_cache": False, "solver": PaddedSolve(decoder.estimator, decoder.cfg.solver, decoder.noise, device)}
+            else:  # eager: the flow cache, its past made once per voice
+                kw = {"past": decoder.prompt_past(voice)}
 
             def speech(batch: int) -> CodecSpeech:
-                return CodecSpeech(decoder, voice, batch, past)
+                return CodecSpeech(decoder, voice, batch, **kw)
 
             b["streams"][CODEC_ROW] = {"1": streams(engine, p, speech, decoder.samples_per_code, ids, 1)}
             print(f"{CODEC_ROW}: 1 stream RTF p50 {b['streams'][CODEC_ROW]['1']['rtf']['p50']:.3f}")
-            del decoder, voice, past, speech
+            del decoder, voice, kw, speech
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if load_cfg:
@@ -276,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         "vocoder": vinfo.__dict__ | {"compiled": compiled},
         "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder"
         + (
-            f", but for the `{CODEC_ROW}` row: MOSS-Speech's codec decoder streaming (flow + HiFT, eager)"
+            f", but for the `{CODEC_ROW}` row: MOSS-Speech's codec decoder, streaming (CUDA: each call's solve from a graph)"
             if CODEC_ROW in b["streams"]
             else ""
         ),

@@ -138,3 +138,34 @@ class FlowSolver:
         self, estimator: Estimator, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False
     ) -> Tensor:
         return solve(estimator, mu, mask, spks, cond, self.cfg, streaming=streaming, noise=self.noise)
+
+
+class PaddedSolve:
+    """A streaming `solve` over frames padded with masked zeros to a multiple of `bucket`, so that a
+    stream's calls, whose frames grow by a chunk each, share a shape per bucket: on CUDA each shape
+    is replayed from a CUDA graph (its inputs copied into static buffers). Under chunk masks the
+    padding, after every real frame, changes none of them (their keys exclude it; convolutions
+    look left). The noise buffer must live on the model's device (a graph cannot copy from the host)."""
+
+    def __init__(self, estimator: Estimator, cfg: SolverConfig, noise: FixedNoise, device: torch.device, bucket: int = 160):
+        from workflow.cudagraphs import Graphs  # CUDA-only machinery, kept out of the CPU import path
+
+        self.estimator, self.cfg, self.noise, self.bucket = estimator, cfg, noise, bucket
+        self.graphs = Graphs(device) if device.type == "cuda" else None
+        self.static: dict[tuple, list[Tensor]] = {}
+
+    def __call__(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
+        """As `solve(..., streaming=True)`: mu, cond [B, 80, T]; mask [B, 1, T]; spks [B, 80] -> [B, 80, T]."""
+        t = mu.shape[-1]
+        pad = -t % self.bucket
+        args = [torch.nn.functional.pad(a, (0, pad)) for a in (mu, mask)] + [spks, torch.nn.functional.pad(cond, (0, pad))]
+        if self.graphs is None:
+            return solve(self.estimator, *args, self.cfg, True, self.noise)[..., :t]
+        key = (*(tuple(a.shape) for a in args), mu.dtype)
+        if key not in self.static:
+            self.static[key] = [a.clone() for a in args]
+        static = self.static[key]
+        for s, a in zip(static, args, strict=True):
+            s.copy_(a)
+        out = self.graphs.run(key, lambda: solve(self.estimator, *static, self.cfg, True, self.noise))
+        return out[..., :t].clone()

@@ -52,6 +52,7 @@ from torch import Tensor
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.hift import DEFAULT_SEED
+from workflow.codec.solver import PaddedSolve
 
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
 
@@ -70,9 +71,14 @@ class CodecStream:
         keep_mel: bool = False,
         flow_cache: bool = True,
         past: list[Past] | None = None,
+        solver: PaddedSolve | None = None,
     ) -> None:
         """past: the voice prompt's flow past (`decoder.prompt_past(prompt)`), copied; made here if not
-        given. Unused with flow_cache False."""
+        given. Unused with flow_cache False. solver (flow_cache False): each streaming call's solve,
+        padded to a bucket and on CUDA replayed from a graph (`solver.PaddedSolve`)."""
+        if solver is not None and flow_cache:
+            raise ValueError("a padded solve re-runs every frame: it needs flow_cache=False")
+        self.solver = solver
         cfg = decoder.cfg
         if cfg.chunk <= 0:
             raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
@@ -161,8 +167,15 @@ class CodecStream:
     def _flow(self, codes: list[int], *, streaming: bool, finalize: bool) -> Tensor:
         stride = self.decoder.stride
         past = self.past if streaming else None  # an offline last call reads every frame
+        solver = self.solver if streaming else None
         mel = self.decoder.mel(
-            codes, self.prompt, streaming=streaming, finalize=finalize, offset_frames=self.offset * stride, past=past
+            codes,
+            self.prompt,
+            streaming=streaming,
+            finalize=finalize,
+            offset_frames=self.offset * stride,
+            past=past,
+            solver=solver,
         )
         if self.mels is not None:
             self.mels.append(mel)
