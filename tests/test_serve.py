@@ -275,6 +275,8 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     t = out["timeline"]
     assert t["level"] == 3 and 0 <= t["admitted"] <= t["chunk_ready"][0]
     assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
+    made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
+    assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0 and made["seconds"] >= 0
 
 
 def test_load_config_names_an_unknown_key():

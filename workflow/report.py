@@ -158,6 +158,17 @@ def codec_markdown(c: dict) -> list[str]:
 FIRST = "detokenize first"  # the device_busy phase of the detokenizer's urgent lane (serve/scheduler.py)
 
 
+def _prepared(made: dict | None) -> str:
+    """What the load made ahead of its levels, if anything."""
+    if not made or not (made["engine_graphs"] or made["detokenizer_batches"]):
+        return ""
+    held = f", holding {made['reserved_bytes'] / 2**30:.1f} GiB more" if made["reserved_bytes"] else ""
+    return (
+        f" Made ahead of the levels: {made['engine_graphs']} engine graphs and {made['detokenizer_batches']} "
+        f"detokenizer batches in {made['seconds']:.0f} s{held}."
+    )
+
+
 def load_markdown(load: dict) -> list[str]:
     """The load benchmark's table and its answer."""
     c, mem = load["config"], load["memory"]
@@ -171,7 +182,8 @@ def load_markdown(load: dict) -> list[str]:
         f"{c['duration_s']:g} s of arrivals per level, {mem['slots']} engine slots of "
         f"{mem['kv_bytes_per_slot'] / 2**20:.1f} MiB each at {mem['max_seq_len']} positions"
         + (f" ({mem['slots_fit']} would fit beside the weights)" if "slots_fit" in mem else "")
-        + f"; at most {c['prefill_tokens']} prompt tokens admitted per iteration.",
+        + f"; at most {c['prefill_tokens']} prompt tokens admitted per iteration."
+        + _prepared(load.get("prepared")),
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "

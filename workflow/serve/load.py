@@ -200,11 +200,14 @@ def timeline(req: Request, chunk_s: float) -> dict:
     }
 
 
-def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chunk_tokens: int) -> None:
+def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chunk_tokens: int) -> dict:
     """Before any level: the engine's decode and admission graphs for every shape the levels can
     meet, and the detokenizer's for every batch (where they have them), so that no stream
-    stalls while one is captured or compiled mid-level."""
+    stalls while one is captured or compiled mid-level. Returns what it made, how long it took
+    and (CUDA) the device memory it left reserved: the graphs' pools, mostly."""
     t0, graphs, calls = time.perf_counter(), 0, 0
+    cuda = engine.device.type == "cuda"
+    reserved = torch.cuda.memory_reserved(engine.device) if cuda else 0
     if engine.active():  # what ran before (the streams benchmark) ends: the load starts from free slots
         engine.release(engine.active())
     if capture := getattr(engine, "capture", None):
@@ -212,9 +215,11 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
         graphs = capture(cfg.slots, cfg.prompt_len, admissions)
     if warm := getattr(detokenize, "warm", None):
         calls = warm(cfg.slots, chunk_tokens)
+    took = time.perf_counter() - t0
     if graphs or calls:
-        took = time.perf_counter() - t0
         print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
+    grown = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
+    return {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "reserved_bytes": grown}
 
 
 def run(
@@ -228,7 +233,7 @@ def run(
 ) -> dict:
     """Every level, one after another; the answer and one stream's timeline."""
     levels, example = [], None
-    prepare(engine, detokenize, cfg, chunk_tokens)
+    made = prepare(engine, detokenize, cfg, chunk_tokens)
     if cfg.warmup_s and cfg.closed:
         warm = LoadConfig(**(cfg.__dict__ | {"duration_s": cfg.warmup_s}))
         level = Level(warm, "closed", max(cfg.closed), ids, torch.Generator().manual_seed(cfg.seed - 1))
@@ -259,6 +264,7 @@ def run(
         "ttfa_slo_ms": cfg.ttfa_slo_ms,
         "streams_at_slo": max(ok, default=0),
         "timeline": example,
+        "prepared": made,
     }
 
 
