@@ -198,6 +198,25 @@ def test_the_ledger_has_a_row_for_every_removed_result(history):
             assert (path.split("/")[2], path.split("/")[-1]) in patches, f"the ledger names no row for {path}"
 
 
+def test_first_audio_with_the_codec_decoder_is_collected_and_judged(tmp_path):
+    """A run whose benchmark streamed the codec decoder (the `engine + codec` row): summary.json gains
+    its time to first audio and RTF per variant, judged against issue 32's 60 ms (bf16) and 50 ms (FP8);
+    a run without it gains neither figure nor goal."""
+    run = tmp_path / "run"
+    shutil.copytree(RESULTS / RUNS[1], run)
+    for p, ms in (("bf16", 58.0), ("fp8", 51.0)):
+        path = run / f"torch-{p}" / "benchmark" / "benchmark.json"
+        b = json.loads(path.read_text())
+        b["summary"] |= {"ttfa_ms_p50_codec": ms, "rtf_codec": 0.5}
+        path.write_text(json.dumps(b))
+    got = collect(tmp_path, run, "bf16", "fp8")
+    assert got["ttfa_ms_p50_codec"] == {"bf16": 58.0, "fp8": 51.0} and got["rtf_codec"] == {"bf16": 0.5, "fp8": 0.5}
+    goals = {g["figure"]: g["met"] for g in got["goals"]}
+    assert goals["ttfa_ms_p50_codec.bf16"] is True and goals["ttfa_ms_p50_codec.fp8"] is False
+    plain = collect(tmp_path, RESULTS / RUNS[1], "bf16", "fp8")
+    assert "ttfa_ms_p50_codec" not in plain and not any("codec" in g["figure"] for g in plain["goals"])
+
+
 def test_streams_at_the_slo_come_from_runs_with_the_load_benchmark(tmp_path):
     """A run whose benchmark.json holds the load benchmark's answer: summary.json gains
     streams_at_slo per variant and the SLO, judged against the H200 goal (H200 run 7, its
