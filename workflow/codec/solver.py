@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from workflow.codec.config import SolverConfig
+from workflow.cudagraphs import Graphs
 
 if TYPE_CHECKING:
     from workflow.codec.estimator import Past
@@ -148,8 +149,6 @@ class PaddedSolve:
     look left). The noise buffer must live on the model's device (a graph cannot copy from the host)."""
 
     def __init__(self, estimator: Estimator, cfg: SolverConfig, noise: FixedNoise, device: torch.device, bucket: int = 160):
-        from workflow.cudagraphs import Graphs  # CUDA-only machinery, kept out of the CPU import path
-
         self.estimator, self.cfg, self.noise, self.bucket = estimator, cfg, noise, bucket
         self.graphs = Graphs(device) if device.type == "cuda" else None
         self.static: dict[tuple, list[Tensor]] = {}
