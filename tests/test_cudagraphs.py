@@ -41,3 +41,15 @@ def test_graphs_of_different_priorities_never_share_memory():
     torch.cuda.synchronize()
     assert len(graphs.capture) == 2 and len({pool for _, pool in graphs.capture.values()}) == 2
     assert torch.allclose(urgent, normal * 1.5, rtol=1e-4)
+
+
+@needs_cuda
+def test_call_copies_each_calls_inputs_into_the_keys_static_buffers():
+    """`call` replays one graph per key on the inputs of the call, not the first call's."""
+    device = torch.device("cuda")
+    graphs = Graphs(device)
+    for scale in (1.0, 2.0, -3.0):
+        x, y = torch.randn(64, device=device) * scale, torch.randn(64, device=device)
+        got = graphs.call("add", torch.add, x, y).clone()
+        torch.testing.assert_close(got, x + y)
+    assert len(graphs.graphs) == 1 and len(graphs.inputs["add"]) == 2

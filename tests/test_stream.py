@@ -91,7 +91,7 @@ def test_a_last_partial_chunk_is_flushed():
 
 
 def _ok():
-    timeline = Timeline(0.0, 0.01, [0.02] * 10, [0.02] * 10, [Chunk(5, 0.1, 0.1, 0.2), Chunk(5, 0.3, 0.3, 0.4)])
+    timeline = Timeline(0.0, 0.01, [0.02] * 10, [0.02] * 10, [Chunk(5, 0.1, 0.1, 0.2, 5 * SPT), Chunk(5, 0.3, 0.3, 0.4, 5 * SPT)])
     return timeline, torch.randn(2, 10 * SPT)
 
 

@@ -1,8 +1,9 @@
 """CUDA graphs keyed by shape: capture a step once, then replay it without launch gaps.
 
-The caller owns static input buffers: it copies each call's inputs into them, then asks for
-the graph of that key; the first request warms up on a side stream (where torch.compile and
-cuBLAS may allocate and choose kernels) and captures, later ones replay.
+A graph reads static input buffers: the caller copies each call's inputs into its own and asks
+for the graph of that key (`run`), or `call` keeps them per key and copies the inputs in. The
+first request warms up on a side stream (where torch.compile and cuBLAS may allocate and choose
+kernels) and captures, later ones replay.
 
 Capture runs on a high-priority stream: PyTorch instantiates graphs with per-node priorities,
 so a graph's kernels keep its capture stream's priority wherever it is replayed. That priority
@@ -34,6 +35,18 @@ class Graphs:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
         self.warm_up: torch.cuda.Stream | None = None
         self.capture: dict[int, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority -> stream, pool
+        self.inputs: dict[Hashable, list[torch.Tensor]] = {}  # call's static input buffers, by key
+
+    def call(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor) -> T:
+        """fn(*args) replayed from the graph for `key`: args are copied into static buffers kept
+        for that key (made from the first call's), which the graph reads. The output lives in the
+        graph's pool: read or clone it before the next replay."""
+        if key not in self.inputs:
+            self.inputs[key] = [a.clone() for a in args]
+        static = self.inputs[key]
+        for buffer, a in zip(static, args, strict=True):
+            buffer.copy_(a)
+        return self.run(key, lambda: fn(*static))
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> T:
         """fn() replayed from the graph captured for `key` (captured now if new). fn runs three

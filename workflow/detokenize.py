@@ -56,7 +56,7 @@ class Chunk:
     t_start: float  # its last code was sampled
     t_mel: float  # stage 1 done
     t_ready: float  # PCM ready
-    samples: int = -1  # the PCM it made final, per stream (-1: tokens x samples a token, the stand-in's)
+    samples: int  # the PCM it made final, per stream
 
 
 def overlaps(overlap: bool, device: torch.device) -> bool:
@@ -98,8 +98,9 @@ class StandIn:
         return wav[:, :n]
 
 
-def _join(pieces: list[torch.Tensor], batch: int) -> torch.Tensor:
-    return torch.cat(pieces, dim=1) if pieces else torch.zeros(batch, 0)
+def _join(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The request's PCM [B, samples]: every chunk's, in order (none: an empty [0, 0])."""
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros(0, 0)
 
 
 class Inline:
@@ -128,7 +129,7 @@ class Inline:
 
     def finish(self) -> tuple[list[Chunk], torch.Tensor]:
         """Every chunk's times, and the PCM [B, samples]."""
-        return self.chunks, _join(self.pieces, len(self.pieces[0]) if self.pieces else 0)
+        return self.chunks, _join(self.pieces)
 
 
 class Overlapped:
@@ -181,7 +182,7 @@ class Overlapped:
     def finish(self) -> tuple[list[Chunk], torch.Tensor]:
         """Wait for the side stream, join the PCM on the decoding stream, then read the events."""
         self.main.wait_stream(self.side)
-        pcm = _join(self.pieces, len(self.pieces[0]) if self.pieces else 0)  # on the decoding stream, after every chunk
+        pcm = _join(self.pieces)  # on the decoding stream, after every chunk
         self.main.synchronize()  # the side stream's work is done too: it came before
         self.inputs.clear()
         chunks = [

@@ -161,6 +161,8 @@ class CodecDecoder(nn.Module):
         solver (streaming, no past): the solve padded to a bucket of frames, replayed from a CUDA graph."""
         if streaming and self.cfg.chunk <= 0:
             raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
+        if solver is not None and (past is not None or not streaming):
+            raise ValueError("a padded solve runs a streaming call without a past")
         device = self.device
         codes = torch.as_tensor(codes, dtype=torch.long, device=device).reshape(-1)
         la, p, prompt_frames = self.cfg.encoder.lookahead, prompt.codes.numel(), prompt.codes.numel() * self.stride
@@ -183,8 +185,6 @@ class CodecDecoder(nn.Module):
         mask = torch.ones(1, 1, frames - start, device=device, dtype=mu.dtype)
         spks = self.flow.speaker(prompt.xvector.to(mu)[None])
         mu, cond = mu[:, :, start:], cond[:, :, start:]
-        if solver is not None and (past is not None or not streaming):
-            raise ValueError("a padded solve runs a streaming call without a past")
         if solver is not None:
             mel = solver(mu, mask, spks, cond)
         else:

@@ -151,7 +151,6 @@ class PaddedSolve:
     def __init__(self, estimator: Estimator, cfg: SolverConfig, noise: FixedNoise, device: torch.device, bucket: int = 160):
         self.estimator, self.cfg, self.noise, self.bucket = estimator, cfg, noise, bucket
         self.graphs = Graphs(device) if device.type == "cuda" else None
-        self.static: dict[tuple, list[Tensor]] = {}
 
     def __call__(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
         """As `solve(..., streaming=True)`: mu, cond [B, 80, T]; mask [B, 1, T]; spks [B, 80] -> [B, 80, T]."""
@@ -161,10 +160,5 @@ class PaddedSolve:
         if self.graphs is None:
             return solve(self.estimator, *args, self.cfg, True, self.noise)[..., :t]
         key = (*(tuple(a.shape) for a in args), mu.dtype)
-        if key not in self.static:
-            self.static[key] = [a.clone() for a in args]
-        static = self.static[key]
-        for s, a in zip(static, args, strict=True):
-            s.copy_(a)
-        out = self.graphs.run(key, lambda: solve(self.estimator, *static, self.cfg, True, self.noise))
+        out = self.graphs.call(key, lambda *static: solve(self.estimator, *static, self.cfg, True, self.noise), *args)
         return out[..., :t].clone()

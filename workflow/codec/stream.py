@@ -215,7 +215,8 @@ class CodecSpeech:
     after another."""
 
     def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, batch: int, past: list[Past] | None = None, **kw) -> None:
-        past = past if past is not None or not kw.get("flow_cache", True) else decoder.prompt_past(prompt)
+        if past is None and kw.get("flow_cache", True):
+            past = decoder.prompt_past(prompt)  # once, for every row
         self.streams = [
             CodecStream(decoder, prompt, torch.Generator().manual_seed(DEFAULT_SEED + i), past=past, **kw) for i in range(batch)
         ]
