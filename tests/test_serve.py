@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workflow import traffic, vocoder
-from workflow.detokenize import Batched
+from workflow.detokenize import Batched, Piece
 from workflow.engines import load_engine
 from workflow.engines.slots import Slots, batch_bucket
 from workflow.generate import Ids, Sampling
@@ -186,20 +186,50 @@ def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):
     ids = Ids.of(engine.spec)
     prompt = traffic.speech_prompt(1, 20, ids, seed=3)[0]
     req = Request(0, prompt, max_steps=11, reply_codes=11)
-    got: list[tuple[list[int], int]] = []
+    got: list[tuple[list[int], int, bool]] = []
     cfg = ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True))
 
-    def detokenize(chunks, urgent):
-        got.extend((c.tolist(), d) for c, d in chunks)
-        return lambda wait: 1.0
+    def detokenize(pieces, urgent):
+        got.extend((p.codes.tolist(), p.done, p.last) for p in pieces)
+        return (lambda wait: 1.0), [7 * len(p.codes) for p in pieces]
 
     sched = Scheduler(engine, ids, cfg, detokenize=detokenize)
     sched.submit(req)
     while not sched.idle():
         sched.iterate()
     assert req.error is None and len(req.codes) == 11 and all(req.modes)  # hold_speech: no end-of-speech before 11
-    assert [d for _, d in got] == [0, 4, 8] and req.chunk_codes == [4, 4, 3]
-    assert [c for chunk, _ in got for c in chunk] == req.codes
+    assert [(d, last) for _, d, last in got] == [(0, False), (4, False), (8, True)] and req.chunk_codes == [4, 4, 3]
+    assert [c for chunk, _, _ in got for c in chunk] == req.codes and req.chunk_samples == [28, 28, 21]
+
+
+@pytest.mark.parametrize("end", ["whole_chunk", "cancelled"])
+def test_a_stream_says_which_chunk_is_its_last(tiny_engine_dir, end):
+    """A detokenizer with lookahead holds codes back until it hears of the stream's end: a reply
+    that ends on a whole chunk marks that chunk last; a stream cancelled part-way sends an empty
+    last chunk (its unsent codes are dropped)."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    req = Request(0, traffic.speech_prompt(1, 20, ids, seed=3)[0], max_steps=8, reply_codes=8)
+    got: list[tuple[int, int, bool]] = []
+
+    def detokenize(pieces, urgent):
+        got.extend((len(p.codes), p.done, p.last) for p in pieces)
+        return (lambda wait: 1.0), [len(p.codes) for p in pieces]
+
+    sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True)), detokenize=detokenize)
+    sched.submit(req)
+    for _ in range(6 if end == "cancelled" else 100):
+        sched.iterate()
+        if sched.idle():
+            break
+    if end == "cancelled":
+        sched.cancel(0)
+    sched.flush()
+    assert req.stamped and len(req.chunk_ready) == len(got)
+    if end == "cancelled":
+        assert req.error == "cancelled" and 4 < len(req.codes) < 8 and got == [(4, 0, False), (0, 4, True)]
+    else:
+        assert (req.error, len(req.codes)) == (None, 8) and got == [(4, 0, False), (4, 4, True)]
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["first_chunks_batched", "first_chunks_apart"])
@@ -213,10 +243,10 @@ def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir, apart):
     reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=17, reply_codes=17) for i in range(2)]
     batches: list[tuple[int, bool]] = []
 
-    def detokenize(chunks, urgent):
+    def detokenize(pieces, urgent):
         t = float(len(batches))
-        batches.append((len(chunks), urgent))
-        return lambda wait: t if wait else None  # never known until asked to wait
+        batches.append((len(pieces), urgent))
+        return (lambda wait: t if wait else None), [len(p.codes) for p in pieces]  # never known until asked to wait
 
     cfg = ServeConfig(chunk_tokens=4, first_chunks_apart=apart, sampling=Sampling(greedy=True))
     sched = Scheduler(engine, ids, cfg, detokenize=detokenize)
@@ -239,10 +269,16 @@ def test_serving_detokenizer_batches_chunks_by_frame_count():
     own offset (the CPU: in line, stamped by the clock after it)."""
     calls = []
     mel = vocoder.MelStandIn(16, 4, 100.0 / 0.96, torch.device("cpu"))  # 104.2 frames a second: 8 or 9 a code
-    detok = Batched(mel, lambda m: calls.append(m.clone()), torch.device("cpu"), lambda n: 4, lambda: 7.0)
-    codes = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6, 7, 8, 9, 10]), torch.tensor([11, 12])]
-    ready = detok([(codes[0], 0), (codes[1], 5), (codes[2], 0)])
-    assert ready(False) == 7.0
+    detok = Batched(mel, lambda m: calls.append(m.clone()), 9, torch.device("cpu"), lambda n: 4, lambda: 7.0)
+    assert detok.sample_rate == pytest.approx(9 / 0.08)
+    codes = [
+        torch.tensor([1, 2, 3, 4, 5]),
+        torch.tensor([6, 7, 8, 9, 10]),
+        torch.tensor([11, 12]),
+        torch.tensor([], dtype=torch.long),
+    ]
+    ready, samples = detok([Piece(1, codes[0], 0), Piece(2, codes[1], 5), Piece(3, codes[2], 0), Piece(2, codes[3], 10, True)])
+    assert ready(False) == 7.0 and samples == [45, 45, 18, 0]  # an empty last piece vocodes nothing
     frames = sorted(c.shape[-1] for c in calls)
     assert len(calls) == 2 and frames == [mel.frames(2), mel.frames(5)] and all(c.shape[0] == 4 for c in calls)
     five = next(c for c in calls if c.shape[-1] == mel.frames(5))
@@ -251,10 +287,21 @@ def test_serving_detokenizer_batches_chunks_by_frame_count():
 
 def test_underruns_count_chunks_ready_after_playback_ran_out():
     req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1)
-    req.chunk_ready, req.chunk_codes = [1.0, 1.3, 1.9, 2.0], [5, 5, 5, 5]  # due at 1.0, 1.4, 1.8, 2.2
-    n, stalled = load.underruns(req, 0.4)
+    req.chunk_ready, req.chunk_samples = [1.0, 1.3, 1.9, 2.0], [40, 40, 40, 40]  # 100 a second: due at 1.0, 1.4, 1.8, 2.2
+    n, stalled = load.underruns(req, 100.0)
     assert n == 1 and stalled == pytest.approx(0.1)
-    assert load.playback_end(req, 0.4) == pytest.approx(1.0 + 1.6 + 0.1)
+    assert load.playback_end(req, 100.0) == pytest.approx(1.0 + 1.6 + 0.1)
+
+
+def test_playback_starts_at_the_first_chunk_with_pcm_and_paces_by_samples():
+    """The codec decoder's way: no PCM for the first chunk (its lookahead), 0.24 s for the next,
+    0.4 s each after: time to first audio is the second chunk's, and each is due when the PCM
+    before it has played."""
+    req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1, t_arrival=0.5, t_admit=0.6)
+    req.chunk_ready, req.chunk_samples = [0.9, 1.0, 1.3, 1.7], [0, 24, 40, 40]  # due -, 1.0, 1.24, 1.64
+    assert req.ttfa_s == pytest.approx(0.5)
+    assert load.underruns(req, 100.0) == (2, pytest.approx(0.06 + 0.06))
+    assert load.timeline(req, 100.0)["chunk_due"] == pytest.approx([0.5, 0.74, 1.14])
 
 
 def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):

@@ -328,10 +328,11 @@ def test_the_codec_decoder_streams_a_request_as_its_own_stream_would():
     """run_stream through CodecSpeech gives the PCM a CodecStream of its own gives for the same codes,
     pushed chunk by chunk; the first chunk (5 codes) makes no PCM (the first comes after
     8: chunk + lookahead), so time to first audio is the second chunk's; the last flushes the rest."""
+    from workflow.codec.batch import CodecBatch, CodecSpeech
     from workflow.codec.config import CodecConfig
     from workflow.codec.decoder import CodecDecoder, VoicePrompt
     from workflow.codec.hift import DEFAULT_SEED
-    from workflow.codec.stream import CodecSpeech, CodecStream
+    from workflow.codec.stream import CodecStream
 
     torch.manual_seed(0)
     decoder = CodecDecoder(CodecConfig.tiny()).eval()
@@ -341,13 +342,14 @@ def test_the_codec_decoder_streams_a_request_as_its_own_stream_would():
     )
     clock, num_tokens, chunk = FakeClock(), 17, 5
     codes = [7 + i for i in range(num_tokens + 1)]
+    batch = CodecBatch(decoder, voice)
     timeline, audio = run_stream(
-        TimedScript(clock, codes), CodecSpeech(decoder, voice, 1), speech_prompt(1, 8, IDS, seed=0), num_tokens, chunk, IDS, clock
+        TimedScript(clock, codes), CodecSpeech(batch, 1), speech_prompt(1, 8, IDS, seed=0), num_tokens, chunk, IDS, clock
     )
     assert check_stream(timeline, audio, num_tokens, chunk, SPT) == [] and audio.shape == (1, num_tokens * SPT)
     assert [c.tokens for c in timeline.chunks] == [5, 5, 5, 2]
     assert timeline.chunks[0].samples == 0 and timeline.audible() == timeline.chunks[1:]
     assert timeline.ttfa_ms() == 1e3 * (timeline.chunks[1].t_ready - timeline.t_request)
-    own = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED))
+    own = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + batch.keys), flow_cache=False)
     pieces = [own.push(codes[i : min(i + chunk, num_tokens)]) for i in range(0, num_tokens, chunk)]
     assert torch.equal(audio[0], torch.cat([*pieces, own.finish()]))

@@ -1,10 +1,11 @@
 """The detokenizer stage of a stream, two ways: in line with decoding, or overlapped with it on
-a second CUDA stream; and serving's (`Batched`), chunks of many streams at once.
+a second CUDA stream; and serving's (`Lanes`: the stand-in's `Batched`, the codec decoder's
+`codec.batch.CodecLanes`), chunks of many streams at once.
 
 A request's chunks go through a `Speech`, in two timed stages: codes -> mel, then mel -> the PCM
 that became final. `StandIn` gives each chunk of K codes exactly K x 80 ms (a code->mel table, then a
 vocoder; frames come hop-aligned, so a few samples carry over to the next chunk). MOSS-Speech's codec
-decoder (`codec.stream.CodecSpeech`) gives PCM later than its codes (its lookahead, its cross-fade):
+decoder (`codec.batch.CodecSpeech`) gives PCM later than its codes (its lookahead, its cross-fade):
 the first after 8 codes, the rest at `finish`. The figures mean the same either way: a chunk's t_mel
 is "its mel is done", t_ready "the PCM it made final is ready". How they are read differs:
 
@@ -34,6 +35,7 @@ from typing import Protocol
 import torch
 
 from workflow.cudagraphs import CAPTURE_PRIORITY
+from workflow.vocoder import SECONDS_PER_TOKEN
 
 Clock = Callable[[], float]
 Stamp = Callable[[], float]  # a time taken at some point, read (as host seconds) after finish()
@@ -205,43 +207,53 @@ def detokenizer(speech: Speech, device: torch.device, clock: Clock, overlap: boo
 Ready = Callable[[bool], float | None]  # (wait) -> when a batch's PCM was ready (host seconds); None: not yet
 
 
-class Batched:
-    """Serving's detokenizer: chunks of many streams, [(codes [K], codes before them)], each
-    chunk's mel at its own offset, then the vocoder once per frame count (a chunk's mel is 37 or
-    38 frames) over every chunk of it, the batch padded to bucket(n) rows (a CUDA graph each).
+@dataclass(frozen=True)
+class Piece:
+    """One stream's chunk to serving's detokenizer: its codes [K], after `done` earlier ones; `last`:
+    the stream's end (a detokenizer that keeps state per stream may drop it after)."""
+
+    stream: int
+    codes: torch.Tensor
+    done: int
+    last: bool = False
+
+
+class Lanes:
+    """Serving's detokenizer, the part every kind shares: a batch of many streams' pieces (`_run`,
+    the kind's own) and when its PCM was ready.
 
     On CUDA the work goes to a side stream (a lane) and the call returns at once: the codes come
-    from the host, so nothing waits for decoding, and decoding goes on beside the vocoder. Later
-    chunks run at the decode graphs' priority; `urgent` ones (streams' first chunks: time to
-    first audio waits on them) on a lane of the highest priority, which the GPU serves first. The
+    from the host, so nothing waits for decoding, and decoding goes on beside it. Later pieces run
+    at the decode graphs' priority; `urgent` ones (streams' first audible pieces: time to first
+    audio waits on them) on a lane of the highest priority, which the GPU serves first. The
     batch's ready time is a CUDA event read once complete and put on the host clock through an
-    anchor event (`host_time`), recorded on an idle stream (it completes at once) and
-    renewed every `anchor_s`, as the GPU's and the host's clocks drift apart (parts per million).
-    On the CPU it runs in line and the clock is read after it."""
+    anchor event (`host_time`), recorded on an idle stream (it completes at once) and renewed
+    every `anchor_s`, as the GPU's and the host's clocks drift apart (parts per million). On the
+    CPU it runs in line and the clock is read after it."""
 
-    def __init__(
-        self, mel: Mel, vocoder: Vocoder, device: torch.device, bucket: Callable[[int], int], clock: Clock,
-        anchor_s: float = 2.0,
-    ):  # fmt: skip
-        self.mel, self.vocoder, self.device, self.bucket, self.clock = mel, vocoder, device, bucket, clock
+    first_codes = 1  # codes a stream needs before its first PCM: pieces until then are urgent
+
+    def __init__(self, sample_rate: float, device: torch.device, clock: Clock, anchor_s: float = 2.0):
+        self.sample_rate, self.device, self.clock = sample_rate, device, clock  # PCM samples a second
         self.anchor_s, self.anchor, self.t_anchor = anchor_s, None, -float("inf")
         cuda = device.type == "cuda"
-        # two lanes: later chunks at the decode graphs' priority, first chunks (urgent) above both
+        # two lanes: later pieces at the decode graphs' priority, first ones (urgent) above both
         # (-100 is clamped to the highest there is); a graph captured on a lane keeps its priority
         lanes = {False: CAPTURE_PRIORITY, True: -100}
         self.lanes = {urgent: torch.cuda.Stream(device, priority=p) for urgent, p in lanes.items()} if cuda else {}
         self.idle = torch.cuda.Stream(device) if cuda else None
 
-    def __call__(self, chunks: list[tuple[torch.Tensor, int]], urgent: bool = False) -> Ready:
+    def __call__(self, pieces: list[Piece], urgent: bool = False) -> tuple[Ready, list[int]]:
+        """Detokenize the pieces; (when their PCM is ready, the PCM samples each made final)."""
         if not self.lanes:
-            self._run(chunks)
+            samples = self._run(pieces)
             t = self.clock()
-            return lambda wait: t
+            return (lambda wait: t), samples
         anchor, t_anchor = self._anchor()
         done = torch.cuda.Event(enable_timing=True)
         lane = self.lanes[urgent]
         with torch.cuda.stream(lane):  # what is allocated here belongs to the lane's stream
-            self._run(chunks)
+            samples = self._run(pieces)
             done.record(lane)
 
         def ready(wait: bool) -> float | None:
@@ -250,33 +262,10 @@ class Batched:
             done.synchronize()
             return host_time(t_anchor, anchor.elapsed_time(done))
 
-        return ready
+        return ready, samples
 
-    def warm(self, rows: int, codes: int, few: int = 8) -> int:
-        """Make now the vocoder's graphs (and compiles) that serving would meet: a batch of n chunks
-        for every bucket up to `rows`, of `codes` codes at both offsets (mel lengths alternate), and
-        the shorter last chunks of streams, fewer at once, up to `few`; on the urgent lane, up to
-        `few` first chunks. Returns the calls."""
-        calls = 0
-        for n in sorted({self.bucket(i) for i in range(1, rows + 1)}):
-            batches = [(k, done, False) for k in (range(1, codes + 1) if n <= few else [codes]) for done in (0, codes)]
-            for k, done, urgent in batches + ([(codes, 0, True)] if n <= few and self.lanes else []):
-                self([(torch.zeros(k, dtype=torch.long), done)] * n, urgent)(True)
-                calls += 1
-        return calls
-
-    @torch.no_grad()
-    def _run(self, chunks: list[tuple[torch.Tensor, int]]) -> None:
-        codes = torch.cat([c for c, _ in chunks])  # one copy to the device, not waiting (pinned)
-        codes = (codes.pin_memory() if self.lanes else codes).to(self.device, non_blocking=True)
-        groups: dict[int, list[torch.Tensor]] = {}
-        for part, (_, done) in zip(codes.split([len(c) for c, _ in chunks]), chunks, strict=True):
-            m = self.mel(part[None], done)
-            groups.setdefault(m.shape[-1], []).append(m)
-        for group in groups.values():
-            x = torch.cat(group)
-            pad = self.bucket(len(x)) - len(x)
-            self.vocoder(torch.cat([x, x[:1].expand(pad, -1, -1)]) if pad else x)
+    def _run(self, pieces: list[Piece]) -> list[int]:
+        raise NotImplementedError
 
     def _anchor(self) -> tuple[torch.cuda.Event, float]:
         if self.clock() - self.t_anchor > self.anchor_s:
@@ -285,3 +274,45 @@ class Batched:
             self.anchor.synchronize()
             self.t_anchor = self.clock()
         return self.anchor, self.t_anchor
+
+
+class Batched(Lanes):
+    """The stand-in's serving detokenizer: each piece's mel at its own offset, then the vocoder once
+    per frame count (a chunk's mel is 37 or 38 frames) over every piece of it, the batch padded to
+    bucket(n) rows (a CUDA graph each). A piece of K codes gives K x samples_per_code samples."""
+
+    def __init__(
+        self, mel: Mel, vocoder: Vocoder, samples_per_code: int, device: torch.device, bucket: Callable[[int], int],
+        clock: Clock, anchor_s: float = 2.0,
+    ):  # fmt: skip
+        super().__init__(samples_per_code / SECONDS_PER_TOKEN, device, clock, anchor_s)
+        self.mel, self.vocoder, self.samples_per_code, self.bucket = mel, vocoder, samples_per_code, bucket
+
+    def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:
+        """Make now the vocoder's graphs (and compiles) that serving would meet: a batch of n pieces
+        for every bucket up to `rows`, of `codes` codes at both offsets (mel lengths alternate), and
+        the shorter last pieces of streams, fewer at once, up to `few`; on the urgent lane, up to
+        `few` first pieces. Returns the calls. (max_codes, a reply's most: no shape depends on it.)"""
+        calls = 0
+        for n in sorted({self.bucket(i) for i in range(1, rows + 1)}):
+            batches = [(k, done, False) for k in (range(1, codes + 1) if n <= few else [codes]) for done in (0, codes)]
+            for k, done, urgent in batches + ([(codes, 0, True)] if n <= few and self.lanes else []):
+                self([Piece(i, torch.zeros(k, dtype=torch.long), done) for i in range(n)], urgent)[0](True)
+                calls += 1
+        return calls
+
+    @torch.no_grad()
+    def _run(self, pieces: list[Piece]) -> list[int]:
+        codes = torch.cat([p.codes for p in pieces])  # one copy to the device, not waiting (pinned)
+        codes = (codes.pin_memory() if self.lanes else codes).to(self.device, non_blocking=True)
+        groups: dict[int, list[torch.Tensor]] = {}
+        for part, p in zip(codes.split([len(p.codes) for p in pieces]), pieces, strict=True):
+            if not len(part):  # a stream's end right after a whole chunk: nothing to vocode
+                continue
+            m = self.mel(part[None], p.done)
+            groups.setdefault(m.shape[-1], []).append(m)
+        for group in groups.values():
+            x = torch.cat(group)
+            pad = self.bucket(len(x)) - len(x)
+            self.vocoder(torch.cat([x, x[:1].expand(pad, -1, -1)]) if pad else x)
+        return [len(p.codes) * self.samples_per_code for p in pieces]

@@ -47,6 +47,17 @@ def detokenizer_line(stream: dict) -> str:
     return f"on a second CUDA stream of the highest priority, overlapped with decoding (chunk times from CUDA events){first}."
 
 
+def speech_line(b: dict) -> str:
+    """What made the PCM: the codec decoder, or the stand-in and its vocoder."""
+    if "vocoder" not in b:
+        return f"Detokenizer: {b['mel_stage']}."
+    v = b["vocoder"]
+    return (
+        f"Vocoder: {v['name']} ({v['weights']} weights, {v['parameters'] / 1e6:.1f} M params, fused kernel "
+        f"{'on' if v['fused_kernel'] else 'off'}{', torch.compile' if v.get('compiled') else ''}). Mel stage: {b['mel_stage']}."
+    )
+
+
 def markdown(b: dict) -> str:
     """The benchmark as a Markdown page: summary with ratios, micro-benchmark, streams."""
     st, sm, m, f = b["settings"], b["summary"], b["machine"], b["floors"]
@@ -55,10 +66,7 @@ def markdown(b: dict) -> str:
         "",
         f"Commit {b['commit']}. Prompt {st['prompt_len']} tokens ending in start-of-speech; {st['num_tokens']} audio "
         f"codes ({st['num_tokens'] * 0.08:.1f} s of audio) per stream, {st['sampling']} sampling; a chunk every "
-        f"{st['chunk_tokens']} codes; {st['warmup']} warm-up + {st['runs']} measured runs. Vocoder: "
-        f"{b['vocoder']['name']} ({b['vocoder']['weights']} weights, {b['vocoder']['parameters'] / 1e6:.1f} M params, "
-        f"fused kernel {'on' if b['vocoder']['fused_kernel'] else 'off'}"
-        f"{', torch.compile' if b['vocoder'].get('compiled') else ''}). Mel stage: {b['mel_stage']}. Detokenizer: "
+        f"{st['chunk_tokens']} codes; {st['warmup']} warm-up + {st['runs']} measured runs. {speech_line(b)} It runs "
         + detokenizer_line(b["streams"]["engine"]["1"]),
         "",
         f"Measured here: copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s, matmul {m['matmul_peak_TFLOPs']:.1f} TFLOP/s.",
@@ -73,11 +81,6 @@ def markdown(b: dict) -> str:
         f"{100 * sm['prefill_matmul_efficiency']:.0f} % of the measured matmul rate",
         f"- most concurrent streams with RTF < 1: {sm['max_streams_rtf_below_1']} (of {st['concurrency']})",
     ]
-    if "ttfa_ms_p50_codec" in sm:
-        lines.append(
-            f"- with MOSS-Speech's codec decoder streaming in place of the stand-in (the `engine + codec` row): time to "
-            f"first audio p50 {sm['ttfa_ms_p50_codec']:.1f} ms, RTF {sm['rtf_codec']:.4f} (one stream)"
-        )
     if "speedup_vs_eager_decode" in sm:
         lines.append(
             f"- against the eager transformers baseline: decode step {sm['speedup_vs_eager_decode']:.1f} x faster, "
@@ -105,10 +108,9 @@ def markdown(b: dict) -> str:
     lines += [
         "",
         "Token ms is request-loop time per step (engine step, sampling, host work), vocoder time excluded; "
-        "overlapped, a step that runs beside a chunk's vocoder shares the GPU with it. In the `engine + codec` row "
-        "mel ms is the codec's flow calls (front end and ODE solve) and vocoder ms its HiFT, per chunk; its first "
-        "chunk makes no PCM (the first needs 8 codes: a chunk and the lookahead), so its time to first audio is the "
-        "second chunk's.",
+        "overlapped, a step that runs beside a chunk's vocoder shares the GPU with it. With the codec decoder, mel ms "
+        "is its flow calls (front end and ODE solve) and vocoder ms its HiFT, per chunk; a stream's first chunk makes no "
+        "PCM (the first needs 8 codes: a chunk and the lookahead), so its time to first audio is the second chunk's.",
     ]
     if "load" in b:
         lines += load_markdown(b["load"])

@@ -159,6 +159,7 @@ class PaddedSolve:
         args = [torch.nn.functional.pad(a, (0, pad)) for a in (mu, mask)] + [spks, torch.nn.functional.pad(cond, (0, pad))]
         if self.graphs is None:
             return solve(self.estimator, *args, self.cfg, True, self.noise)[..., :t]
-        key = (*(tuple(a.shape) for a in args), mu.dtype)
+        # per priority too: two lanes of the detokenizer may replay a shape at once (own buffers, own pool)
+        key = (*(tuple(a.shape) for a in args), mu.dtype, torch.cuda.current_stream(mu.device).priority)
         out = self.graphs.call(key, lambda *static: solve(self.estimator, *static, self.cfg, True, self.noise), *args)
         return out[..., :t].clone()

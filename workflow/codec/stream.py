@@ -45,6 +45,7 @@ does that, at the price of the tail not being the one-call decode's."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -53,6 +54,18 @@ from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.hift import DEFAULT_SEED
 from workflow.codec.solver import PaddedSolve
+
+
+@dataclass(frozen=True)
+class FlowCall:
+    """One flow call of a stream: every code so far (the last `lookahead` only as context unless
+    finalize), and `offset`, the codes whose frames earlier calls gave."""
+
+    codes: list[int]
+    offset: int
+    streaming: bool
+    finalize: bool
+
 
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
 
@@ -124,8 +137,18 @@ class CodecStream:
     @torch.inference_mode()
     def flow(self, codes: Sequence[int] | Tensor) -> list[Tensor]:
         """push's first stage: add codes and run the flow calls now due; their new mel frames."""
+        return [self.run(call) for call in self.calls(codes)]
+
+    @torch.inference_mode()
+    def flow_rest(self) -> list[Tensor]:
+        """finish's first stage: the last flow call, over the codes left (none if there are none)."""
+        return [self.run(call) for call in self.calls([], last=True)]
+
+    def calls(self, codes: Sequence[int] | Tensor, last: bool = False) -> list[FlowCall]:
+        """Add codes (last: none follow) and return the flow calls now due, in order, without running
+        them: `run` runs one, or `codec.batch` runs many streams' together."""
         if self.finished:
-            raise RuntimeError("push() after finish()")
+            raise RuntimeError("push() after finish()" if not last else "finish() called twice")
         new = torch.as_tensor(codes).reshape(-1).tolist()
         vocab = self.decoder.cfg.encoder.vocab_size
         if any(not 0 <= c < vocab for c in new):
@@ -134,20 +157,33 @@ class CodecStream:
         out = []
         while len(self.codes) - self.offset >= self._hop() + self.lookahead:
             hop = self._hop()
-            upto = self.offset + hop + self.lookahead
-            out.append(self._flow(self.codes[:upto], streaming=True, finalize=False))
+            out.append(FlowCall(self.codes[: self.offset + hop + self.lookahead], self.offset, streaming=True, finalize=False))
             self.offset += hop
+        if last:
+            self.finished = True
+            if len(self.codes) > self.offset:  # a flow call always leaves lookahead codes, so none left: nothing pushed
+                out.append(FlowCall(self.codes, self.offset, streaming=not self.final_offline, finalize=True))
         return out
 
-    @torch.inference_mode()
-    def flow_rest(self) -> list[Tensor]:
-        """finish's first stage: the last flow call, over the codes left (none if there are none)."""
-        if self.finished:
-            raise RuntimeError("finish() called twice")
-        self.finished = True
-        if len(self.codes) == self.offset:  # nothing was pushed (a flow call always leaves lookahead codes)
-            return []
-        return [self._flow(self.codes, streaming=not self.final_offline, finalize=True)]
+    def run(self, call: FlowCall) -> Tensor:
+        """One flow call, alone: its new mel frames [mels, n]."""
+        streaming = call.streaming
+        mel = self.decoder.mel(
+            call.codes,
+            self.prompt,
+            streaming=streaming,
+            finalize=call.finalize,
+            offset_frames=call.offset * self.decoder.stride,
+            past=self.past if streaming else None,  # an offline last call reads every frame
+            solver=self.solver if streaming else None,
+        )
+        return self.keep(mel)
+
+    def keep(self, mel: Tensor) -> Tensor:
+        """A flow call's frames, kept if asked (keep_mel)."""
+        if self.mels is not None:
+            self.mels.append(mel)
+        return mel
 
     @torch.inference_mode()
     def vocode(self, mels: list[Tensor], final: bool = False) -> Tensor:
@@ -164,33 +200,31 @@ class CodecStream:
         self.emitted += pcm.numel()
         return pcm
 
-    def _flow(self, codes: list[int], *, streaming: bool, finalize: bool) -> Tensor:
-        stride = self.decoder.stride
-        past = self.past if streaming else None  # an offline last call reads every frame
-        solver = self.solver if streaming else None
-        mel = self.decoder.mel(
-            codes,
-            self.prompt,
-            streaming=streaming,
-            finalize=finalize,
-            offset_frames=self.offset * stride,
-            past=past,
-            solver=solver,
-        )
-        if self.mels is not None:
-            self.mels.append(mel)
-        return mel
-
     def _vocode(self, new: Tensor, final: bool) -> Tensor:
         """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
-        dec, hop = self.decoder, self.decoder.cfg.hift.hop
+        mel, source, state = self.excite(new)
+        return self.settle(self.decoder.hift.decode(mel[None], source[None, None])[0], state, final)
+
+    def excite(self, new: Tensor) -> tuple[Tensor, Tensor, tuple]:
+        """A HiFT call's inputs, one stream's part: the mel [mels, F] (the cached frames, then the new) and
+        its NSF source [F * hop], and what `settle` needs after HiFT's network (which `codec.batch` runs
+        over many streams' calls at once)."""
+        dec = self.decoder
         a, end = self.start, self.frames + new.shape[1]
         mel = torch.cat([self.mel_tail, new], dim=1)  # frames [first, end)
         first = end - mel.shape[1]
         f0 = dec.hift.f0_predictor(mel[None])[0, a - first :]  # frames before `a` are context only
-        noise = torch.cat([self.noise_tail, dec.source.noise(new.shape[1], self.generator, new.device)])
+        drawn = dec.source.noise(new.shape[1], self.generator)  # on the generator's device (CPU): pinned, then copied
+        drawn = (drawn.pin_memory() if new.is_cuda else drawn).to(new.device, non_blocking=True)
+        noise = torch.cat([self.noise_tail, drawn])
         source, cycles = dec.source(f0, noise, self.cycles)
-        pcm = dec.hift.decode(mel[None, :, a - first :], source[None, None])[0]
+        return mel[:, a - first :], source, (mel, first, end, noise, cycles)
+
+    def settle(self, pcm: Tensor, state: tuple, final: bool) -> Tensor:
+        """After HiFT's network: cross-fade the head with the held tail, hold back the new tail unless
+        final, move the cache on; the PCM now final."""
+        mel, first, end, noise, cycles = state
+        a, hop = self.start, self.decoder.cfg.hift.hop
         n = self.held.numel()
         if n:  # the new head rises as the old tail falls, the two weights summing to 1
             rise = torch.sin(torch.pi / 2 * (torch.arange(n, device=pcm.device, dtype=torch.float64) + 0.5) / n) ** 2
@@ -208,23 +242,6 @@ class CodecStream:
         self.start = nxt
         return pcm[:keep]
 
-
-class CodecSpeech:
-    """A request's streams through the codec decoder, as the detokenizer's `Speech` (detokenize.py):
-    a `CodecStream` per batch row, in one voice; a chunk's flow calls, then their HiFT. Rows run one
-    after another."""
-
-    def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, batch: int, past: list[Past] | None = None, **kw) -> None:
-        if past is None and kw.get("flow_cache", True):
-            past = decoder.prompt_past(prompt)  # once, for every row
-        self.streams = [
-            CodecStream(decoder, prompt, torch.Generator().manual_seed(DEFAULT_SEED + i), past=past, **kw) for i in range(batch)
-        ]
-
-    def mel(self, codes: Tensor, done: int, last: bool) -> list[list[Tensor]]:
-        """Each row's flow calls now due (with `last`, the final one too); codes [B, K]."""
-        return [s.flow(row) + (s.flow_rest() if last else []) for s, row in zip(self.streams, codes.cpu(), strict=True)]
-
-    def pcm(self, mels: list[list[Tensor]]) -> Tensor:
-        """Each row's PCM made final, [B, n] (every row has had as many codes, so as much PCM)."""
-        return torch.stack([s.vocode(m, final=s.finished) for s, m in zip(self.streams, mels, strict=True)])
+    def state(self) -> list[Tensor]:
+        """The device tensors a stream carries between calls (for a caller moving it between CUDA streams)."""
+        return [t for t in (self.mel_tail, self.noise_tail, self.cycles, self.held) if t is not None]

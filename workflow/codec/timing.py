@@ -59,7 +59,6 @@ class CodecTiming:
     repeat: int = 3
     baseline: bool = True  # also time the official structure (float32, eager, batch 1)
     flow_cache: bool = True  # also time ours with the flow cache (the new frames only, each call)
-    stream: bool = True  # the benchmark also streams one request through ours (its `engine + codec` row)
     weights: str | None = None  # None: random; local:<dir> or hf:<repo>@<rev>: the codec's checkpoint (checkpoint.py)
     seed: int = 0
     graphs: bool = True  # CUDA only

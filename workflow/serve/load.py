@@ -12,9 +12,11 @@ streams in flight finish. Before the first level, `prepare` makes every CUDA gra
 can meet; `warmup_s` of the largest closed level may come first too, not recorded.
 
 Figures per level, with the definitions of docs/DESIGN (shared by every result file):
-- time to first audio (TTFA): a request's arrival to its first chunk's PCM ready;
-- playback starts when the first chunk is ready; chunk i is due at t_first + i x chunk seconds,
-  and an underrun is a chunk ready after it is due (count and total stalled seconds);
+- time to first audio (TTFA): a request's arrival to its first chunk's PCM ready (the first chunk
+  with PCM: the codec decoder's lookahead gives none for a stream's first 5 codes);
+- playback starts when the first chunk is ready; a chunk is due when the PCM of those before it
+  has played (t_first + i x chunk seconds where every chunk holds a chunk's audio), and an
+  underrun is a chunk ready after it is due (count and total stalled seconds);
 - tokens/s (codes generated), busy fraction (time the loop had work / wall time), and the
   device's time per phase of the loop over wall time (`device_busy`: prefill, sample, decode on
   the decoding stream, detokenize on its own);
@@ -64,22 +66,34 @@ class LoadConfig:
         return cls(**(d | tuples))
 
 
-def underruns(req: Request, chunk_s: float) -> tuple[int, float]:
+def audible(req: Request, sample_rate: float) -> list[tuple[float, float]]:
+    """(ready, due) of each chunk with PCM, in order: playback starts at the first, and a chunk is
+    due when the PCM of those before it has played, `sample_rate` samples a second."""
+    chunks = [(t, n) for t, n in zip(req.chunk_ready, req.chunk_samples, strict=False) if n]
+    if not chunks:
+        return []
+    t0, before = chunks[0][0], 0
+    out = []
+    for t, n in chunks:
+        out.append((t, t0 + before / sample_rate))
+        before += n
+    return out
+
+
+def underruns(req: Request, sample_rate: float) -> tuple[int, float]:
     """(chunks ready after they were due, seconds stalled) of one stream."""
-    if not req.chunk_ready:
-        return 0, 0.0
-    t0, late = req.chunk_ready[0], []
-    for i, t in enumerate(req.chunk_ready):
-        due = t0 + i * chunk_s
-        if t > due:
-            late.append(t - due)
+    late = [t - due for t, due in audible(req, sample_rate) if t > due]
     return len(late), sum(late)
 
 
-def playback_end(req: Request, chunk_s: float) -> float:
-    """When the stream's last sample has played (stalls included)."""
-    _, stalled = underruns(req, chunk_s)
-    return req.chunk_ready[0] + sum(req.chunk_codes) * SECONDS_PER_TOKEN + stalled
+def playback_end(req: Request, sample_rate: float) -> float:
+    """When the stream's last sample has played (stalls included); its last chunk's readiness
+    if it made no PCM."""
+    chunks = audible(req, sample_rate)
+    if not chunks:
+        return req.chunk_ready[-1]
+    _, stalled = underruns(req, sample_rate)
+    return chunks[0][0] + sum(req.chunk_samples) / sample_rate + stalled
 
 
 class Level:
@@ -125,7 +139,7 @@ def run_level(
         detokenize_batches=cfg.detokenize_batches, first_chunks_apart=cfg.first_chunks_apart, sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
-    chunk_s = chunk_tokens * SECONDS_PER_TOKEN
+    rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)  # no detokenizer: a "sample" a code
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
@@ -142,7 +156,7 @@ def run_level(
                 sched.flush()
             for req in [r for r in listening if r.stamped]:
                 listening.remove(req)
-                t_next = playback_end(req, chunk_s) if req.chunk_ready else clock()
+                t_next = playback_end(req, rate) if req.chunk_ready else clock()
                 if t_next < end:
                     pending.append(t_next)
             pending.sort()
@@ -166,7 +180,7 @@ def run_level(
     done = sched.done
     served = [r for r in done if r.error is None]
     ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
-    runs = [underruns(r, chunk_s) for r in served]
+    runs = [underruns(r, rate) for r in served]
     offered = level.value if level.kind == "closed" else level.value * level.mean_reply_s
     return {
         "kind": level.kind,
@@ -188,15 +202,14 @@ def run_level(
     }, done
 
 
-def timeline(req: Request, chunk_s: float) -> dict:
-    """One stream under load: when it arrived, was admitted, and each chunk ready against due (s)."""
-    t0 = req.t_arrival
-    first = req.chunk_ready[0]
+def timeline(req: Request, sample_rate: float) -> dict:
+    """One stream under load: when it arrived, was admitted, and each chunk with PCM ready against due (s)."""
+    t0, chunks = req.t_arrival, audible(req, sample_rate)
     return {
         "arrival": 0.0,
         "admitted": req.t_admit - t0,
-        "chunk_ready": [t - t0 for t in req.chunk_ready],
-        "chunk_due": [first - t0 + i * chunk_s for i in range(len(req.chunk_ready))],
+        "chunk_ready": [t - t0 for t, _ in chunks],
+        "chunk_due": [due - t0 for _, due in chunks],
     }
 
 
@@ -214,7 +227,7 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(cfg.slots, cfg.prompt_len, admissions)
     if warm := getattr(detokenize, "warm", None):
-        calls = warm(cfg.slots, chunk_tokens)
+        calls = warm(cfg.slots, chunk_tokens, round(cfg.reply_seconds[1] / SECONDS_PER_TOKEN))
     took = time.perf_counter() - t0
     if graphs or calls:
         print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
@@ -248,10 +261,11 @@ def run(
                 f"{result['tokens_per_s']:.0f} codes/s, busy {result['busy_fraction']:.2f}",
                 file=sys.stderr,
             )
-            served = [r for r in done if r.error is None and r.chunk_ready]
+            served = [r for r in done if r.error is None and r.ttfa_s is not None]
             if served and kind == "closed":  # the latest closed level's stream arriving nearest its middle
                 mid = served[0].t_arrival + cfg.duration_s / 2
-                example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), chunk_tokens * SECONDS_PER_TOKEN)
+                rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
+                example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), rate)
                 example["level"] = value
     ok = [
         lv["value"]

@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workflow.detokenize import Ready
+from workflow.detokenize import Piece, Ready
 from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
 
-Detokenize = Callable[[list[tuple[torch.Tensor, int]], bool], Ready]  # ([(codes [K], codes before them)], urgent)
+Detokenize = Callable[[list[Piece], bool], tuple[Ready, list[int]]]  # (pieces, urgent) -> (ready, samples each made final)
 
 
 @dataclass
@@ -65,12 +65,15 @@ class Request:
     codes: list[int] = field(default_factory=list)
     chunk_ready: list[float] = field(default_factory=list)  # filled in when known: see `stamped`
     chunk_codes: list[int] = field(default_factory=list)  # of each chunk made
+    chunk_samples: list[int] = field(default_factory=list)  # PCM each chunk sent made final (0: none yet)
     error: str | None = None  # refused, cancelled, or failed; None: served
     finished: bool = False
 
     @property
     def ttfa_s(self) -> float | None:
-        return self.chunk_ready[0] - self.t_arrival if self.chunk_ready else None
+        """Arrival to the first chunk with PCM being ready (a detokenizer with lookahead gives none for the first codes)."""
+        first = next((t for t, n in zip(self.chunk_ready, self.chunk_samples, strict=False) if n), None)
+        return None if first is None else first - self.t_arrival
 
     @property
     def stamped(self) -> bool:
@@ -110,7 +113,7 @@ class Scheduler:
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
         self.logits: tuple[list[int], torch.Tensor | None, torch.Tensor] | None = None  # slots, text, audio
         self.done: list[Request] = []
-        self.outbox: list[tuple[Request, list[int], int]] = []  # chunks made, not yet sent
+        self.outbox: list[tuple[Request, list[int], int, bool]] = []  # chunks made, not yet sent (codes, done, last)
         self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
         self.phases = Phases(dev, clock)
 
@@ -159,9 +162,9 @@ class Scheduler:
             self._send(due=True)
             return
         slots, tokens, failed = self._sample()
-        for req, codes, done in self._chunks(slots):  # before retirement: a stream that ends sends its last codes
+        for req, codes, done, last in self._chunks(slots):  # before retirement: a stream that ends sends its last codes
             req.chunk_codes.append(len(codes))
-            self.outbox.append((req, codes, done))
+            self.outbox.append((req, codes, done, last))
         ending = {s: failed[s] for s in slots if s in failed} | {
             s: None for s in slots if s not in failed and self._finished(self.streams[s])
         }
@@ -181,26 +184,31 @@ class Scheduler:
         self._stamp(wait=True)
 
     def _send(self, due: bool) -> None:
-        """Streams' first chunks at once, on the urgent lane (`first_chunks_apart`); every other
-        waiting chunk in one batch, if `due`."""
+        """Streams' chunks up to their first PCM (the detokenizer's `first_codes`) at once, on the
+        urgent lane (`first_chunks_apart`); every other waiting chunk in one batch, if `due`."""
         if self.cfg.first_chunks_apart:
-            first = [c for c in self.outbox if c[2] == 0]
+            before = getattr(self.detokenize, "first_codes", 1)
+            first = [c for c in self.outbox if c[2] < before]
             if first:
-                self.outbox = [c for c in self.outbox if c[2] != 0]
+                self.outbox = [c for c in self.outbox if c[2] >= before]
                 self._batch(first, urgent=True)
         if due and self.outbox:
             chunks, self.outbox = self.outbox, []
             self._batch(chunks, urgent=False)
 
-    def _batch(self, chunks: list[tuple[Request, list[int], int]], urgent: bool) -> None:
-        if self.detokenize is None:
+    def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
+        if self.detokenize is None:  # no detokenizer: a chunk is ready when made, a "sample" a code
             t = self.clock()
             ready: Ready = lambda wait: t  # noqa: E731
+            samples = [len(codes) for _, codes, _, _ in chunks]
         else:
             lane = getattr(self.detokenize, "lanes", {}).get(urgent)  # its stream, on CUDA
+            pieces = [Piece(req.rid, torch.tensor(codes, dtype=torch.long), done, last) for req, codes, done, last in chunks]
             with self.phases("detokenize first" if urgent else "detokenize", lane):
-                ready = self.detokenize([(torch.tensor(codes), done) for _, codes, done in chunks], urgent)
-        self.unready.append((ready, [req for req, _, _ in chunks], urgent))
+                ready, samples = self.detokenize(pieces, urgent)
+        for (req, _, _, _), n in zip(chunks, samples, strict=True):
+            req.chunk_samples.append(n)
+        self.unready.append((ready, [req for req, _, _, _ in chunks], urgent))
 
     def _stamp(self, wait: bool) -> None:
         """Stamp the chunks whose PCM is known to be ready, in the order they were sent."""
@@ -292,16 +300,17 @@ class Scheduler:
     def _finished(self, req: Request) -> bool:
         return req.finished or len(req.tokens) >= req.max_steps or len(req.codes) >= (req.reply_codes or 1 << 62)
 
-    def _chunks(self, slots: list[int]) -> list[tuple[Request, list[int], int]]:
+    def _chunks(self, slots: list[int]) -> list[tuple[Request, list[int], int, bool]]:
         """Each stream's chunk that is complete now: K new codes, or the last codes of a stream
-        that ends this iteration."""
+        that ends this iteration (last: True; none if it ends right after a whole chunk, so that a
+        detokenizer with lookahead decodes the codes it held back)."""
         out = []
         for x in slots:
             req = self.streams[x]
             sent = sum(req.chunk_codes)  # made, sent or not
-            pending = len(req.codes) - sent
-            if pending >= self.cfg.chunk_tokens or (pending and self._finished(req)):
-                out.append((req, req.codes[sent:], sent))
+            pending, last = len(req.codes) - sent, self._finished(req)
+            if pending >= self.cfg.chunk_tokens or (last and (pending or req.chunk_codes)):  # an end after a whole chunk: empty
+                out.append((req, req.codes[sent:], sent, last))
         return out
 
     def _retire(self, slots: list[int], why: dict[int, str | None]) -> None:
@@ -320,4 +329,8 @@ class Scheduler:
 
     def _end(self, req: Request, error: str | None) -> None:
         req.error, req.finished = error, True
+        if error is not None and req.chunk_codes and not any(c[0] is req and c[3] for c in self.outbox):
+            # cut short after sending codes: an empty last chunk, so that a detokenizer's state for it ends
+            req.chunk_codes.append(0)
+            self.outbox.append((req, [], sum(req.chunk_codes), True))
         self.done.append(req)

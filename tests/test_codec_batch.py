@@ -1,0 +1,164 @@
+"""Many streams through the codec decoder at once (workflow/codec/batch.py), and serving with it.
+CPU, float32, the tiny shape.
+
+The judge is `CodecStream` (stream.py) run alone, which tests/test_codec_stream.py holds to the one-call
+decode. Batched, each stream's rows are padded (after its end, and with rows of other streams), so the
+arithmetic differs in rounding only: the PCM is held to 1e-5 (observed <= 7e-7 on peaks of ~0.87)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from workflow.codec.batch import CodecBatch, CodecLanes
+from workflow.codec.config import CodecConfig
+from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.hift import DEFAULT_SEED
+from workflow.codec.stream import CodecStream
+from workflow.detokenize import Piece
+from workflow.engines import load_engine
+from workflow.generate import Ids, Sampling
+from workflow.serve import load
+
+TINY = CodecConfig.tiny()
+SPC = TINY.encoder.stride * TINY.hift.hop  # 1920 samples a code
+ATOL_PCM = 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def decoder() -> CodecDecoder:
+    torch.manual_seed(0)
+    dec = CodecDecoder(TINY).eval()
+    with torch.no_grad():  # off the defaults, so every parameter shapes the output
+        for p in dec.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        dec.hift.f0_predictor.classifier.bias.fill_(150.0)  # voiced: the sine phase must carry across calls
+    return dec
+
+
+@pytest.fixture(scope="module")
+def voice() -> VoicePrompt:
+    g = torch.Generator().manual_seed(1)
+    return VoicePrompt(torch.randint(0, 1000, (7,), generator=g), torch.randn(80, 28, generator=g), torch.randn(192, generator=g))
+
+
+def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tensor, chunk: int) -> torch.Tensor:
+    s = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + key), flow_cache=False)
+    return torch.cat([s.push(codes[i : i + chunk]) for i in range(0, len(codes), chunk)] + [s.finish()])
+
+
+def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder, voice):
+    """Four streams join at different steps and end at different lengths, one of them right after a whole
+    chunk (its last piece empty), the batch padded to one more row: each stream's PCM is its own alone,
+    whole (codes x 1920 samples), and no state is left once every stream has ended."""
+    g = torch.Generator().manual_seed(2)
+    lengths, joins, chunk = {1: 23, 2: 31, 3: 12, 4: 15}, {1: 0, 2: 6, 3: 2, 4: 1}, 5
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1)
+    got: dict[int, list[torch.Tensor]] = {k: [] for k in lengths}
+    done, ended, step = dict.fromkeys(lengths, 0), set(), 0
+    while len(ended) < len(lengths):
+        pieces = []
+        for k, n in lengths.items():
+            if step < joins[k] or k in ended:
+                continue
+            take = codes[k][done[k] : done[k] + chunk]
+            last = done[k] + len(take) >= n and (len(take) < chunk or (k == 4 and len(take) == 0))
+            if len(take) or last:
+                pieces.append(Piece(k, take, done[k], last))
+                done[k] += len(take)
+            if last:
+                ended.add(k)
+        pcm = batch.vocodes(batch.flows(pieces))
+        for p, x in zip(pieces, pcm, strict=True):
+            got[p.stream].append(x)
+        step += 1
+    assert not batch.streams
+    for k, n in lengths.items():
+        mine, own = torch.cat(got[k]), alone(decoder, voice, k, codes[k], chunk)
+        assert mine.shape == own.shape == (n * SPC,)
+        assert (mine - own).abs().max() <= ATOL_PCM, k
+
+
+def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
+    """The first PCM needs a chunk, the prompt's alignment pad and the lookahead: 5 + 3 + 3 for a 7-code prompt."""
+    batch = CodecBatch(decoder, voice)
+    assert batch.first_codes == 5 + (-7 % 5) + TINY.encoder.lookahead
+    out = batch.vocodes(batch.flows([Piece(9, torch.arange(batch.first_codes - 1), 0)]))
+    assert out[0].numel() == 0  # one code short: nothing yet
+    out = batch.vocodes(batch.flows([Piece(9, torch.tensor([5]), batch.first_codes - 1, True)]))
+    assert out[0].numel() == batch.first_codes * SPC and not batch.streams
+
+
+def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tiny_engine_dir, decoder, voice):
+    """The load benchmark with the codec decoder as serving's detokenizer (the CPU: in line): every
+    request served, its PCM whole (codes x 1920 samples, the first chunk none), its time to first
+    audio the first chunk with PCM, and no decoder state left behind; `warm` leaves none either."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    detok = CodecLanes(CodecBatch(decoder, voice), torch.device("cpu"), time.perf_counter)
+    assert detok.sample_rate == 24000 and detok.first_codes == 11 and not detok.lanes
+    assert detok.warm(2, 5, 20) == 2 * 2 and not detok.batch.streams  # two pieces for each of buckets 1 and 2
+    cfg = load.LoadConfig(closed=(2,), duration_s=1.0, reply_seconds=(1.0, 1.6), prompt_len=24, slots=4)
+    levels, served = [], []
+
+    def run_level(*args, **kw):
+        result, done = real(*args, **kw)
+        levels.append(result)
+        served.extend(done)
+        return result, done
+
+    real, load.run_level = load.run_level, run_level
+    try:
+        out = load.run(engine, detok, time.perf_counter, cfg, ids, 5, Sampling())
+    finally:
+        load.run_level = real
+    assert out["levels"][0]["served"] == out["levels"][0]["requests"] > 0 and not detok.batch.streams
+    for req in served:
+        assert req.error is None and sum(req.chunk_samples) == len(req.codes) * SPC
+        assert req.chunk_samples[:2] == [0, 0] and req.chunk_samples[2] > 0  # 5 + 5 codes: short of 11
+        assert req.ttfa_s == pytest.approx(req.chunk_ready[2] - req.t_arrival)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch):
+    """Serving's lanes on CUDA: each solve and HiFT's network replayed from a graph per shape and lane
+    (all made ahead by `warm`), a stream's first pieces on the urgent lane and the rest on the other, the
+    host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order.
+    TF32 off: the tolerance is float32's."""
+    import copy
+
+    from workflow.codec.solver import PaddedSolve
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    dev = torch.device("cuda")
+    dec = copy.deepcopy(decoder).to(dev)
+    dec.noise.buffer = dec.noise.buffer.to(dev)
+    solver = PaddedSolve(dec.estimator, dec.cfg.solver, dec.noise, dev, bucket=40)
+    got: dict[int, list[torch.Tensor]] = {}
+    lanes = CodecLanes(
+        CodecBatch(dec, voice, solver, bucket=lambda n: 1 << (n - 1).bit_length()), dev, time.perf_counter,
+        sink=lambda key, pcm: got.setdefault(key, []).append(pcm),
+    )  # fmt: skip
+    assert lanes.warm(4, 5, 30) > 0 and not lanes.batch.streams and lanes.lanes
+    graphs = len(lanes.batch.graphs.graphs) + len(solver.graphs.graphs)
+    g = torch.Generator().manual_seed(3)
+    lengths, chunk = {1: 26, 2: 17, 3: 30}, 5
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    readies = []
+    for done in range(0, 30, chunk):
+        pieces = [Piece(k, codes[k][done : done + chunk], done, done + chunk >= n) for k, n in lengths.items() if done < n]
+        for urgent in (True, False):  # as the scheduler sends them: before a stream's first PCM, urgent
+            part = [p for p in pieces if (p.done < lanes.first_codes) == urgent]
+            if part:
+                readies.append(lanes(part, urgent)[0])
+    assert all(r(True) > 0 for r in readies) and not lanes.batch.streams
+    for k, n in lengths.items():
+        own = alone(dec, voice, k, codes[k].to(dev), chunk)
+        mine = torch.cat(got[k])
+        assert mine.shape == own.shape == (n * SPC,) and (mine - own).abs().max() <= ATOL_PCM, k
+    assert len(lanes.batch.graphs.graphs) + len(solver.graphs.graphs) == graphs  # warm made every shape met

@@ -1,0 +1,240 @@
+"""Many streams through the codec decoder at once: serving's detokenizer (`CodecLanes`) and a
+request of B rows (`CodecSpeech`), both on `CodecBatch`.
+
+Each stream is a `CodecStream` (stream.py) in one voice, re-running every frame each call (no flow
+cache: its past would hold ~2.3 MB a frame a stream). A step adds every stream's new codes, takes
+the flow calls now due (one per `chunk` codes, and a stream's last), and runs them together:
+
+- the flow: one front end over every call's codes, the rows right-padded, each with its own length
+  and lookahead context, then one solve over their frames. A stream's last call (no context) goes
+  in a second batch. Under chunk masks the padding after a row's end changes none of its frames
+  (keys past a frame's chunk are never read, convolutions look left), so each row gives what its
+  stream gives alone. With a `PaddedSolve` the frames are padded to a multiple of its bucket and
+  the rows to `bucket(n)`: on CUDA a graph per shape and lane;
+- HiFT: each stream's F0 and NSF source (continued from its own, stream.py), then HiFT's network
+  over every call of one frame count at once (on CUDA a graph per shape and lane; a stream's
+  last call, of any length, runs eager), then each stream's cross-fade.
+
+A stream with two calls in one step (the chunk's, then its last) has them in two rounds. Streams
+never share state, so each stream's PCM is what it gives alone, up to the rounding of batched
+arithmetic (tests/test_codec_batch.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.encoder import on_device
+from workflow.codec.hift import DEFAULT_SEED
+from workflow.codec.solver import PaddedSolve, solve
+from workflow.codec.stream import CodecStream, FlowCall
+from workflow.cudagraphs import Graphs
+from workflow.detokenize import Clock, Lanes, Piece
+
+KEYS = 1 << 40  # new_key's first key, above any request id
+Work = list[tuple[CodecStream, list[Tensor], bool]]  # per piece: its stream, its calls' new frames, its end
+
+
+class CodecBatch:
+    """Streams by key, their calls batched. bucket(n): the rows a batch of n runs (padding)."""
+
+    def __init__(
+        self, decoder: CodecDecoder, voice: VoicePrompt, solver: PaddedSolve | None = None,
+        bucket: Callable[[int], int] = lambda n: n,
+    ):  # fmt: skip
+        self.decoder, self.voice, self.solver, self.bucket = decoder, voice.to(decoder.device), solver, bucket
+        self.prompt = voice.codes.tolist()
+        self.streams: dict[int, CodecStream] = {}
+        self.keys = KEYS  # the last key handed out by new_key
+        self.graphs = Graphs(decoder.device) if decoder.device.type == "cuda" else None
+
+    @property
+    def first_codes(self) -> int:
+        """Codes a stream needs before its first PCM (chunk + prompt alignment + lookahead)."""
+        cfg = self.decoder.cfg
+        return cfg.chunk + (-len(self.prompt) % cfg.chunk) + cfg.encoder.lookahead
+
+    def new_key(self) -> int:
+        """A stream key no caller uses (serving's keys are request ids, counted from 1)."""
+        self.keys += 1
+        return self.keys
+
+    def stream(self, key: int) -> CodecStream:
+        if key not in self.streams:
+            g = torch.Generator().manual_seed(DEFAULT_SEED + key)
+            self.streams[key] = CodecStream(self.decoder, self.voice, g, flow_cache=False)
+        return self.streams[key]
+
+    @torch.inference_mode()
+    def flows(self, pieces: list[Piece]) -> Work:
+        """Stage one: add each piece's codes to its stream and run every flow call now due."""
+        due = [(self.stream(p.stream), p) for p in pieces]
+        calls = [s.calls(p.codes, p.last) for s, p in due]
+        mels: list[list[Tensor]] = [[] for _ in pieces]
+        for r in range(max(map(len, calls), default=0)):
+            for finalize in (False, True):
+                batch = [i for i, c in enumerate(calls) if len(c) > r and c[r].finalize == finalize]
+                if batch:
+                    for i, m in zip(batch, self.mel([calls[i][r] for i in batch], finalize), strict=True):
+                        mels[i].append(due[i][0].keep(m))
+        for p in pieces:
+            if p.last:
+                del self.streams[p.stream]
+        return [(s, m, p.last) for (s, p), m in zip(due, mels, strict=True)]
+
+    @torch.inference_mode()
+    def vocodes(self, work: Work) -> list[Tensor]:
+        """Stage two: HiFT over each stream's new frames, round by round; the PCM each piece made final."""
+        pcm: list[list[Tensor]] = [[] for _ in work]
+        for r in range(max((len(m) for _, m, _ in work), default=0)):
+            rows = [i for i, (_, m, _) in enumerate(work) if len(m) > r]
+            final = [work[i][2] and r == len(work[i][1]) - 1 for i in rows]
+            made = self.hift([(work[i][0], work[i][1][r]) for i in rows], final)
+            for i, x in zip(rows, made, strict=True):
+                pcm[i].append(x)
+        for i, (s, m, last) in enumerate(work):
+            if last and not m:  # nothing left to decode: the held tail is final
+                pcm[i].append(s.held)
+                s.held = s.held[:0]
+        return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, _, _) in zip(pcm, work, strict=True)]
+
+    def mel(self, calls: list[FlowCall], finalize: bool) -> list[Tensor]:
+        """The new frames [mels, n] of streaming calls, all final or none (the same lookahead)."""
+        dec, la, stride = self.decoder, self.decoder.cfg.encoder.lookahead, self.decoder.stride
+        dev, n = dec.device, self.bucket(len(calls))
+        rows = [self.prompt + c.codes for c in calls]
+        bodies = rows if finalize else [r[:-la] for r in rows]
+        bodies += [bodies[-1]] * (n - len(calls))  # padding rows: copies of the last
+        lengths = torch.tensor([len(b) for b in bodies])
+        tokens = torch.zeros(n, int(lengths.max()), dtype=torch.long)
+        for i, b in enumerate(bodies):
+            tokens[i, : len(b)] = torch.tensor(b)
+        context = (
+            None if finalize else on_device(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))), dev)
+        )
+        mu = dec.flow(on_device(tokens, dev), lengths, chunk=dec.cfg.chunk, context=context)
+        frames = torch.arange(mu.shape[-1], device=dev)
+        mask = (frames[None] < on_device(lengths, dev)[:, None] * stride)[:, None].to(mu.dtype)
+        cond = torch.zeros_like(mu)
+        p = self.voice.mel.shape[1]
+        cond[:, :, :p] = self.voice.mel.to(mu)
+        spks = dec.flow.speaker(self.voice.xvector.to(mu)[None]).expand(n, -1)
+        if self.solver is not None:
+            mel = self.solver(mu, mask, spks, cond)
+        else:
+            mel = solve(dec.estimator, mu, mask, spks, cond, dec.cfg.solver, streaming=True, noise=dec.noise)
+        return [mel[i, :, p + c.offset * stride : len(bodies[i]) * stride] for i, c in enumerate(calls)]
+
+    def hift(self, calls: list[tuple[CodecStream, Tensor]], final: list[bool]) -> list[Tensor]:
+        """HiFT over one call of each stream: sources one by one, the network by frame count."""
+        excited = [s.excite(m) for s, m in calls]
+        out: list[Tensor | None] = [None] * len(calls)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (mel, _, _) in enumerate(excited):
+            groups.setdefault((mel.shape[1], final[i]), []).append(i)
+        for (_, last), idx in groups.items():
+            n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
+            idx_padded = idx + [idx[-1]] * (n - len(idx))
+            mel = torch.stack([excited[i][0] for i in idx_padded])
+            source = torch.stack([excited[i][1] for i in idx_padded])[:, None]
+            if self.graphs is not None and not last:  # a last call's frames vary: eager
+                prio = torch.cuda.current_stream(mel.device).priority
+                pcm = self.graphs.call(("hift", tuple(mel.shape), prio), self.decoder.hift.decode, mel, source).clone()
+            else:
+                pcm = self.decoder.hift.decode(mel, source)
+            for j, i in enumerate(idx):
+                out[i] = pcm[j]
+        return [s.settle(x, state, f) for (s, _), x, (_, _, state), f in zip(calls, out, excited, final, strict=True)]
+
+
+class CodecSpeech:
+    """A request's B rows through the codec decoder as the detokenizer's `Speech` (detokenize.py):
+    the rows are B streams of one voice, each chunk's flow calls batched, then their HiFT."""
+
+    def __init__(self, batch: CodecBatch, rows: int) -> None:
+        self.batch, self.rows = batch, rows
+        self.keys = [batch.new_key() for _ in range(rows)]
+
+    def mel(self, codes: Tensor, done: int, last: bool) -> Work:
+        return self.batch.flows([Piece(k, row, done, last) for k, row in zip(self.keys, codes.cpu(), strict=True)])
+
+    def pcm(self, work: Work) -> Tensor:
+        """[B, n]: every row has had as many codes, so as much PCM."""
+        return torch.stack(self.batch.vocodes(work))
+
+
+class CodecLanes(Lanes):
+    """Serving's detokenizer with the codec decoder: each batch of pieces through `CodecBatch`, on a
+    lane (detokenize.Lanes). A stream's pieces may go to both lanes (its first audible one urgent,
+    the rest not): a lane waits for the other's last batch before it takes a stream from it, and
+    the stream's tensors are marked as used there, so that the allocator keeps them for it."""
+
+    def __init__(
+        self, batch: CodecBatch, device: torch.device, clock: Clock, anchor_s: float = 2.0,
+        sink: Callable[[int, Tensor], None] | None = None,
+    ):  # fmt: skip
+        """sink(stream, pcm): where each piece's PCM goes (a server's audio out), called as the piece is
+        launched: on CUDA the PCM is computed on the lane, to be read after the batch's `Ready`."""
+        super().__init__(batch.decoder.cfg.hift.sampling_rate, device, clock, anchor_s)
+        self.batch, self.sink = batch, sink
+        self.first_codes = batch.first_codes
+        self.lane_of: dict[int, torch.cuda.Stream] = {}  # CUDA: each stream's last lane
+        self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
+
+    def _run(self, pieces: list[Piece]) -> list[int]:
+        if self.lanes:
+            self._claim(pieces)
+        pcm = self.batch.vocodes(self.batch.flows(pieces))
+        if self.sink is not None:
+            for p, x in zip(pieces, pcm, strict=True):
+                self.sink(p.stream, x)
+        if self.lanes:
+            lane = torch.cuda.current_stream(self.device)
+            self.ends[lane] = torch.cuda.Event()
+            self.ends[lane].record(lane)
+            for p in pieces:
+                self.lane_of.pop(p.stream, None) if p.last else self.lane_of.__setitem__(p.stream, lane)
+        return [x.numel() for x in pcm]
+
+    def _claim(self, pieces: list[Piece]) -> None:
+        lane = torch.cuda.current_stream(self.device)
+        moved = [p.stream for p in pieces if self.lane_of.get(p.stream, lane) != lane]
+        if moved:
+            for other, end in self.ends.items():
+                if other != lane:
+                    lane.wait_event(end)
+            for key in moved:
+                for t in self.batch.streams[key].state():
+                    t.record_stream(lane)
+
+    def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:
+        """Make now the graphs serving would meet, on the lane of later pieces: for a batch of every
+        bucket up to `rows` streams, the solve at every frame bucket a reply of up to `max_codes` codes
+        reaches, and HiFT's network at a first and a later call (two pieces, of first_codes and
+        `codes` codes); on the urgent lane the same for up to `few` streams' first audible pieces.
+        Returns the batches run."""
+        batch, calls = self.batch, 0
+        dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
+        for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
+            for urgent in (False, True) if n <= few and self.lanes else (False,):
+                upto = self.first_codes if urgent else max(max_codes, self.first_codes) + codes
+                if batch.solver is not None:  # a solve per frame bucket: the longest call of each
+                    frames = (len(batch.prompt) + upto) * dec.stride
+                    for end in range(batch.solver.bucket, frames + batch.solver.bucket, batch.solver.bucket):
+                        length = end // dec.stride - len(batch.prompt) + la
+                        call = FlowCall([0] * max(length, la + 1), 0, streaming=True, finalize=False)
+                        with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
+                            batch.mel([call] * n, finalize=False)
+                        calls += 1
+                keys = [batch.new_key() for _ in range(n)]
+                for done, k in ((0, self.first_codes), (self.first_codes, codes)):
+                    self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
+                    calls += 1
+                self([Piece(s, torch.zeros(0, dtype=torch.long), self.first_codes + codes, True) for s in keys], urgent)[0](True)
+        if self.lanes:
+            torch.cuda.synchronize(self.device)
+        return calls
