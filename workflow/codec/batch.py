@@ -102,6 +102,7 @@ class CodecBatch:
                 s.held = s.held[:0]
         return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, _, _) in zip(pcm, work, strict=True)]
 
+    @torch.inference_mode()  # also when warm() calls it: no autograd graph holding every step's activations
     def mel(self, calls: list[FlowCall], finalize: bool) -> list[Tensor]:
         """The new frames [mels, n] of streaming calls, all final or none (the same lookahead)."""
         dec, la, stride = self.decoder, self.decoder.cfg.encoder.lookahead, self.decoder.stride
