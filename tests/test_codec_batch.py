@@ -53,12 +53,13 @@ def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tens
 
 def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder, voice):
     """Four streams join at different steps and end at different lengths, one of them right after a whole
-    chunk (its last piece empty), the batch padded to one more row: each stream's PCM is its own alone,
+    chunk (its last piece empty), the batch padded to one more row and its frames to a multiple of 16: each
+    stream's PCM is its own alone,
     whole (codes x 1920 samples), and no state is left once every stream has ended."""
     g = torch.Generator().manual_seed(2)
     lengths, joins, chunk = {1: 23, 2: 31, 3: 12, 4: 15}, {1: 0, 2: 6, 3: 2, 4: 1}, 5
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
-    batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1)
+    batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1, pad_frames=16)
     got: dict[int, list[torch.Tensor]] = {k: [] for k in lengths}
     done, ended, step = dict.fromkeys(lengths, 0), set(), 0
     while len(ended) < len(lengths):
@@ -126,26 +127,23 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch):
-    """Serving's lanes on CUDA: each solve and HiFT's network replayed from a graph per shape and lane
+    """Serving's lanes on CUDA: the flow and HiFT's network replayed from a graph per shape and lane
     (all made ahead by `warm`), a stream's first pieces on the urgent lane and the rest on the other, the
     host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order.
     TF32 off: the tolerance is float32's."""
     import copy
 
-    from workflow.codec.solver import PaddedSolve
-
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     dev = torch.device("cuda")
     dec = copy.deepcopy(decoder).to(dev)
     dec.noise.buffer = dec.noise.buffer.to(dev)
-    solver = PaddedSolve(dec.estimator, dec.cfg.solver, dec.noise, dev, bucket=40)
     got: dict[int, list[torch.Tensor]] = {}
     lanes = CodecLanes(
-        CodecBatch(dec, voice, solver, bucket=lambda n: 1 << (n - 1).bit_length()), dev, time.perf_counter,
+        CodecBatch(dec, voice, bucket=lambda n: 1 << (n - 1).bit_length(), pad_frames=40, graphs=True), dev, time.perf_counter,
         sink=lambda key, pcm: got.setdefault(key, []).append(pcm),
     )  # fmt: skip
     assert lanes.warm(4, 5, 30) > 0 and not lanes.batch.streams and lanes.lanes
-    graphs = len(lanes.batch.graphs.graphs) + len(solver.graphs.graphs)
+    graphs = len(lanes.batch.graphs.graphs)
     g = torch.Generator().manual_seed(3)
     lengths, chunk = {1: 26, 2: 17, 3: 30}, 5
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
@@ -161,4 +159,4 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
         own = alone(dec, voice, k, codes[k].to(dev), chunk)
         mine = torch.cat(got[k])
         assert mine.shape == own.shape == (n * SPC,) and (mine - own).abs().max() <= ATOL_PCM, k
-    assert len(lanes.batch.graphs.graphs) + len(solver.graphs.graphs) == graphs  # warm made every shape met
+    assert len(lanes.batch.graphs.graphs) == graphs  # warm made every shape met

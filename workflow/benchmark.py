@@ -28,7 +28,6 @@ import torch
 from workflow import artifacts, report, roofline, traffic
 from workflow.codec import timing as codec_timing
 from workflow.codec.batch import CodecBatch, CodecLanes, CodecSpeech
-from workflow.codec.solver import PaddedSolve
 from workflow.codec.timing import CodecTiming
 from workflow.detokenize import Batched, Lanes, Speech, StandIn, overlaps
 from workflow.engines import check_built_from, load_engine
@@ -192,18 +191,18 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             raise SystemExit("benchmark.speech is codec: benchmark.codec must give the decoder's shape")
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
-        solver = PaddedSolve(decoder.estimator, decoder.cfg.solver, decoder.noise, device) if t.graphs and cuda else None
-        batch = CodecBatch(decoder, voice, solver, bucket if cuda else lambda n: n)
+        graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
+        batch = CodecBatch(decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs)
         said = {
             "kind": "codec",
             "preset": t.preset,
             "dtype": t.dtype,
             "weights": t.weights or "random",
             "prompt_codes": t.prompt_codes,
-            "graphs": solver is not None,
+            "graphs": graphs,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
             f"{t.dtype}; HiFT float32): every flow call re-runs the front end and the {decoder.cfg.solver.steps}-step ODE "
-            f"over all frames so far" + (", each solve and HiFT's network from a CUDA graph" if solver else ""),
+            f"over all frames so far" + (", the flow and HiFT's network from CUDA graphs" if graphs else ""),
         }
         return (
             (lambda n: CodecSpeech(batch, n)),

@@ -9,8 +9,8 @@ the flow calls now due (one per `chunk` codes, and a stream's last), and runs th
   and lookahead context, then one solve over their frames. A stream's last call (no context) goes
   in a second batch. Under chunk masks the padding after a row's end changes none of its frames
   (keys past a frame's chunk are never read, convolutions look left), so each row gives what its
-  stream gives alone. With a `PaddedSolve` the frames are padded to a multiple of its bucket and
-  the rows to `bucket(n)`: on CUDA a graph per shape and lane;
+  stream gives alone. With `pad_frames` the frames are padded to a multiple of it and the rows to
+  `bucket(n)`: on CUDA the whole flow (front end and solve) is a graph per shape and lane;
 - HiFT: each stream's F0 and NSF source (continued from its own, stream.py), then HiFT's network
   over every call of one frame count at once (on CUDA a graph per shape and lane; a stream's
   last call, of any length, runs eager), then each stream's cross-fade.
@@ -30,7 +30,7 @@ from torch import Tensor
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.encoder import on_device
 from workflow.codec.hift import DEFAULT_SEED
-from workflow.codec.solver import PaddedSolve, solve
+from workflow.codec.solver import solve
 from workflow.codec.stream import CodecStream, FlowCall
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Clock, Lanes, Piece
@@ -43,14 +43,19 @@ class CodecBatch:
     """Streams by key, their calls batched. bucket(n): the rows a batch of n runs (padding)."""
 
     def __init__(
-        self, decoder: CodecDecoder, voice: VoicePrompt, solver: PaddedSolve | None = None,
-        bucket: Callable[[int], int] = lambda n: n,
+        self, decoder: CodecDecoder, voice: VoicePrompt, bucket: Callable[[int], int] = lambda n: n,
+        pad_frames: int = 0, graphs: bool = False,
     ):  # fmt: skip
-        self.decoder, self.voice, self.solver, self.bucket = decoder, voice.to(decoder.device), solver, bucket
+        """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
+        shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
+        from a CUDA graph, per lane."""
+        if pad_frames % decoder.stride:
+            raise ValueError(f"pad_frames must be a multiple of {decoder.stride} frames (a code's), got {pad_frames}")
+        self.decoder, self.voice, self.bucket, self.pad_frames = decoder, voice.to(decoder.device), bucket, pad_frames
         self.prompt = voice.codes.tolist()
         self.streams: dict[int, CodecStream] = {}
         self.keys = KEYS  # the last key handed out by new_key
-        self.graphs = Graphs(decoder.device) if decoder.device.type == "cuda" else None
+        self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
 
     @property
     def first_codes(self) -> int:
@@ -110,25 +115,33 @@ class CodecBatch:
         rows = [self.prompt + c.codes for c in calls]
         bodies = rows if finalize else [r[:-la] for r in rows]
         bodies += [bodies[-1]] * (n - len(calls))  # padding rows: copies of the last
-        lengths = torch.tensor([len(b) for b in bodies])
-        tokens = torch.zeros(n, int(lengths.max()), dtype=torch.long)
+        q = max(1, self.pad_frames // stride)
+        tokens = torch.zeros(n, -(-max(map(len, bodies)) // q) * q, dtype=torch.long)
         for i, b in enumerate(bodies):
             tokens[i, : len(b)] = torch.tensor(b)
-        context = (
-            None if finalize else on_device(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))), dev)
-        )
-        mu = dec.flow(on_device(tokens, dev), lengths, chunk=dec.cfg.chunk, context=context)
-        frames = torch.arange(mu.shape[-1], device=dev)
-        mask = (frames[None] < on_device(lengths, dev)[:, None] * stride)[:, None].to(mu.dtype)
-        cond = torch.zeros_like(mu)
+        args = [tokens, torch.tensor([len(b) for b in bodies])]
+        if not finalize:
+            args.append(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))))
+        args = [on_device(a, dev) for a in args]
+        if self.graphs is None:
+            mel = self.flow(*args)
+        else:  # its output lives in the graph's pool until the next replay: cloned
+            key = ("flow", tuple(tokens.shape), finalize, torch.cuda.current_stream(dev).priority)
+            mel = self.graphs.call(key, self.flow, *args).clone()
         p = self.voice.mel.shape[1]
-        cond[:, :, :p] = self.voice.mel.to(mu)
-        spks = dec.flow.speaker(self.voice.xvector.to(mu)[None]).expand(n, -1)
-        if self.solver is not None:
-            mel = self.solver(mu, mask, spks, cond)
-        else:
-            mel = solve(dec.estimator, mu, mask, spks, cond, dec.cfg.solver, streaming=True, noise=dec.noise)
         return [mel[i, :, p + c.offset * stride : len(bodies[i]) * stride] for i, c in enumerate(calls)]
+
+    def flow(self, tokens: Tensor, lengths: Tensor, context: Tensor | None = None) -> Tensor:
+        """The flow over padded rows: tokens [n, T] (prompt first), lengths [n], context [n, lookahead]
+        (None: the rows end there) -> mel [n, mels, T * stride], float32; all on the device."""
+        dec = self.decoder
+        mu = dec.flow(tokens, lengths, chunk=dec.cfg.chunk, context=context)
+        frames = torch.arange(mu.shape[-1], device=mu.device)
+        mask = (frames[None] < lengths[:, None] * dec.stride)[:, None].to(mu.dtype)
+        cond = torch.zeros_like(mu)
+        cond[:, :, : self.voice.mel.shape[1]] = self.voice.mel.to(mu)
+        spks = dec.flow.speaker(self.voice.xvector.to(mu)[None]).expand(len(tokens), -1)
+        return solve(dec.estimator, mu, mask, spks, cond, dec.cfg.solver, streaming=True, noise=dec.noise)
 
     def hift(self, calls: list[tuple[CodecStream, Tensor]], final: list[bool]) -> list[Tensor]:
         """HiFT over one call of each stream: sources one by one, the network by frame count."""
@@ -223,14 +236,15 @@ class CodecLanes(Lanes):
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
             for urgent in (False, True) if n <= few and self.lanes else (False,):
                 upto = self.first_codes if urgent else max(max_codes, self.first_codes) + codes
-                if batch.solver is not None:  # a solve per frame bucket: the longest call of each
-                    frames = (len(batch.prompt) + upto) * dec.stride
-                    for end in range(batch.solver.bucket, frames + batch.solver.bucket, batch.solver.bucket):
-                        length = end // dec.stride - len(batch.prompt) + la
-                        call = FlowCall([0] * max(length, la + 1), 0, streaming=True, finalize=False)
-                        with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
-                            batch.mel([call] * n, finalize=False)
-                        calls += 1
+                if batch.pad_frames:  # the flow at every frame bucket: its longest call (and last call, fewer rows)
+                    pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
+                    for end in range(pad, frames + pad, pad):
+                        length = max(end // dec.stride - len(batch.prompt), la + 1)
+                        for final in (False, True) if n <= few else (False,):
+                            call = FlowCall([0] * (length if final else length + la), 0, streaming=True, finalize=final)
+                            with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
+                                batch.mel([call] * n, finalize=final)
+                            calls += 1
                 keys = [batch.new_key() for _ in range(n)]
                 for done, k in ((0, self.first_codes), (self.first_codes, codes)):
                     self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
