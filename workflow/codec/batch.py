@@ -36,7 +36,7 @@ from workflow.cudagraphs import Graphs
 from workflow.detokenize import Clock, Lanes, Piece
 
 KEYS = 1 << 40  # new_key's first key, above any request id
-Work = list[tuple[CodecStream, list[Tensor], bool]]  # per piece: its stream, its calls' new frames, its end
+Work = list[tuple[CodecStream, list[Tensor], bool, int]]  # per piece: its stream, its calls' frames, its end, first round
 
 
 class CodecBatch:
@@ -76,36 +76,42 @@ class CodecBatch:
 
     @torch.inference_mode()
     def flows(self, pieces: list[Piece]) -> Work:
-        """Stage one: add each piece's codes to its stream and run every flow call now due."""
+        """Stage one: add each piece's codes to its stream and run every flow call now due. A stream may
+        have several pieces in a batch (chunks that waited): its calls keep their order, round by round."""
         due = [(self.stream(p.stream), p) for p in pieces]
         calls = [s.calls(p.codes, p.last) for s, p in due]
+        first, seen = [], {}  # each piece's first call's round: after its stream's earlier pieces' calls
+        for p, c in zip(pieces, calls, strict=True):
+            first.append(seen.get(p.stream, 0))
+            seen[p.stream] = first[-1] + len(c)
         mels: list[list[Tensor]] = [[] for _ in pieces]
-        for r in range(max(map(len, calls), default=0)):
+        for r in range(max(seen.values(), default=0)):
             for finalize in (False, True):
-                batch = [i for i, c in enumerate(calls) if len(c) > r and c[r].finalize == finalize]
+                batch = [i for i, c in enumerate(calls) if 0 <= r - first[i] < len(c) and c[r - first[i]].finalize == finalize]
                 if batch:
-                    for i, m in zip(batch, self.mel([calls[i][r] for i in batch], finalize), strict=True):
+                    for i, m in zip(batch, self.mel([calls[i][r - first[i]] for i in batch], finalize), strict=True):
                         mels[i].append(due[i][0].keep(m))
         for p in pieces:
             if p.last:
                 del self.streams[p.stream]
-        return [(s, m, p.last) for (s, p), m in zip(due, mels, strict=True)]
+        return [(s, m, p.last, f) for (s, p), m, f in zip(due, mels, first, strict=True)]
 
     @torch.inference_mode()
     def vocodes(self, work: Work) -> list[Tensor]:
-        """Stage two: HiFT over each stream's new frames, round by round; the PCM each piece made final."""
+        """Stage two: HiFT over each stream's new frames, round by round (a stream's calls in order); the
+        PCM each piece made final."""
         pcm: list[list[Tensor]] = [[] for _ in work]
-        for r in range(max((len(m) for _, m, _ in work), default=0)):
-            rows = [i for i, (_, m, _) in enumerate(work) if len(m) > r]
-            final = [work[i][2] and r == len(work[i][1]) - 1 for i in rows]
-            made = self.hift([(work[i][0], work[i][1][r]) for i in rows], final)
+        for r in range(max((f + len(m) for _, m, _, f in work), default=0)):
+            rows = [i for i, (_, m, _, f) in enumerate(work) if 0 <= r - f < len(m)]
+            final = [work[i][2] and r - work[i][3] == len(work[i][1]) - 1 for i in rows]
+            made = self.hift([(work[i][0], work[i][1][r - work[i][3]]) for i in rows], final)
             for i, x in zip(rows, made, strict=True):
                 pcm[i].append(x)
-        for i, (s, m, last) in enumerate(work):
+        for i, (s, m, last, _) in enumerate(work):
             if last and not m:  # nothing left to decode: the held tail is final
                 pcm[i].append(s.held)
                 s.held = s.held[:0]
-        return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, _, _) in zip(pcm, work, strict=True)]
+        return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, *_) in zip(pcm, work, strict=True)]
 
     @torch.inference_mode()  # also when warm() calls it: no autograd graph holding every step's activations
     def mel(self, calls: list[FlowCall], finalize: bool) -> list[Tensor]:
