@@ -96,3 +96,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def codec_decoder():
+    """The tiny codec decoder, every parameter moved off its default (so each shapes the output) and
+    F0 voiced (so a stream's sine phase must carry across calls)."""
+    from workflow.codec.config import CodecConfig
+    from workflow.codec.decoder import CodecDecoder
+
+    torch.manual_seed(0)
+    dec = CodecDecoder(CodecConfig.tiny()).eval()
+    with torch.no_grad():
+        for p in dec.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        dec.hift.f0_predictor.classifier.bias.fill_(150.0)
+    return dec

@@ -14,14 +14,16 @@ One thread owns the engine. Each `iterate`:
    failed (non-finite logits), freeing their slots at once;
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
    (`need_text` per slot), each at its own position;
-5. while the device decodes, sends the streams' finished chunks (K codes each) to the
-   detokenizer, as one batch across streams. The detokenizer returns at once (on CUDA it runs
-   on a side stream, beside decoding) with a `Ready`: each chunk is stamped ready when its PCM
-   is, read once known (`flush` waits for all). While `detokenize_batches` batches are still
-   running, new chunks wait and go together later: the vocoder's cost per chunk falls steeply
-   with its batch, and a queue on the side stream would only grow. With `first_chunks_apart`,
-   streams' first chunks go at once, as a batch of their own on the detokenizer's urgent lane:
-   time to first audio waits on them, while a later chunk has the slack of the audio before it.
+5. while the device decodes, sends the streams' finished chunks (K codes each, a `Piece`: its
+   stream, the codes before it, whether it is the last) to the detokenizer, as one batch across
+   streams. The detokenizer returns at once (on CUDA it runs on a side stream, beside decoding)
+   with a `Ready` and the PCM samples each chunk made final (a detokenizer with lookahead makes
+   none for a stream's first codes): each chunk is stamped ready when its PCM is, read once known
+   (`flush` waits for all). While `detokenize_batches` batches are still running, new chunks wait
+   and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
+   side stream would only grow. With `first_chunks_apart`, streams' chunks up to their first PCM
+   (the detokenizer's `first_codes`) go at once, as a batch of their own on its urgent lane: time
+   to first audio waits on them, while a later chunk has the slack of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer).
@@ -88,7 +90,7 @@ class ServeConfig:
     when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
     hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
-    first_chunks_apart: bool = True  # first chunks go at once, on the detokenizer's urgent lane
+    first_chunks_apart: bool = True  # chunks up to a stream's first PCM go at once, on the detokenizer's urgent lane
     sampling: Sampling = field(default_factory=Sampling)
 
 
