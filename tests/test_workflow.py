@@ -236,7 +236,13 @@ def test_report_holds_the_verify_and_benchmark_tables_and_the_plots(chain, tmp_p
     assert "verify.html" in html and "benchmark.html" in html and "tokens.png" in html
 
 
-FP8 = ["--config", "engine={precision: fp8}", "calibration={num_samples: 64}", "benchmark={runs: 1, concurrency: [1]}"]
+# the FP8 chain's benchmark runs the stand-in detokenizer: the default chain runs the codec decoder
+FP8 = [
+    "--config",
+    "engine={precision: fp8}",
+    "calibration={num_samples: 64}",
+    "benchmark={runs: 1, concurrency: [1], speech: stand-in}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +257,17 @@ def test_fp8_chain_reuses_the_download_and_passes_verify(fp8_chain):
     assert report["passed"] and report["precision"] == "fp8"
     assert report["held_out"]["disjoint"]
     assert fp8_chain.planned(*FP8) == set()
+
+
+def test_the_stand_in_detokenizer_is_said_to_be_one(fp8_chain):
+    """`benchmark.speech: stand-in` (the FP8 chain): the code->mel table and BigVGAN, labelled as such
+    in benchmark.json and .md, its load served too; and no codec decoder figure claimed."""
+    out = fp8_chain.workdir / "results" / "tiny" / "torch-fp8" / "benchmark"
+    bench = json.loads((out / "benchmark.json").read_text())
+    assert bench["speech"] == {"kind": "stand-in"} and bench["mel_stage"].startswith("STAND-IN")
+    assert bench["vocoder"]["weights"] == "random" and "ttfa_ms_p50_codec" not in bench["summary"]
+    assert "Mel stage: STAND-IN" in (out / "benchmark.md").read_text()
+    assert all(lv["served"] == lv["requests"] > 0 for lv in bench["load"]["levels"])
 
 
 def test_calibration_change_reruns_calibrate_and_what_follows(fp8_chain):
