@@ -27,7 +27,7 @@ import torch
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder, NsfSource, VoicePrompt
 from workflow.codec.hift import HiFT
-from workflow.codec.solver import PaddedSolve, solve
+from workflow.codec.solver import solve
 from workflow.codec.stream import MEL_CACHE, CodecStream
 
 TINY = CodecConfig.tiny()
@@ -191,25 +191,6 @@ def test_a_past_must_end_on_a_chunk_and_before_the_frames_asked_for(decoder):
             decoder.mel(codes(9), voice, streaming=True, finalize=False, past=decoder.prompt_past(voice))
         with pytest.raises(ValueError, match="after the first"):
             decoder.mel(codes(8), voice, streaming=True, finalize=False, offset_frames=-30, past=decoder.prompt_past(voice))
-
-
-def test_a_padded_solve_gives_each_streaming_call_the_mel_unpadded(decoder):
-    """The solve over frames padded with masked zeros to a bucket (what lets a stream's calls share a CUDA
-    graph per bucket) gives the unpadded frames' mel; a stream running it gives the cached stream's mel."""
-    voice, x = prompt(), codes(26)
-    solver = PaddedSolve(decoder.estimator, TINY.solver, decoder.noise, torch.device("cpu"), bucket=48)
-    with torch.inference_mode():
-        for n in (9, 17):
-            want = decoder.mel(x[:n], voice, streaming=True, finalize=False)
-            got = decoder.mel(x[:n], voice, streaming=True, finalize=False, solver=solver)
-            torch.testing.assert_close(got, want, rtol=0, atol=ATOL_MEL)
-        with pytest.raises(ValueError, match="without a past"):
-            decoder.mel(x[:9], voice, streaming=False, solver=solver)
-    _, padded = run(decoder, voice, x, 3, keep_mel=True, flow_cache=False, solver=solver)
-    _, cached = run(decoder, voice, x, 3, keep_mel=True)
-    torch.testing.assert_close(torch.cat(padded.mels, dim=1), torch.cat(cached.mels, dim=1), rtol=0, atol=ATOL_MEL)
-    with pytest.raises(ValueError, match="flow_cache=False"):
-        CodecStream(decoder, voice, solver=solver)
 
 
 # ---------------------------------------------------------------- when and how much PCM comes

@@ -31,7 +31,7 @@ from workflow.codec.encoder import FlowFrontEnd
 from workflow.codec.estimator import CausalConditionalDecoder, Past
 from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT, excitation
 from workflow.codec.mel import LogMel
-from workflow.codec.solver import FixedNoise, PaddedSolve, solve
+from workflow.codec.solver import FixedNoise, solve
 
 F0_RADIUS = ELU_CONVS  # the F0 predictor's five k=3 convolutions: f0 at frame i reads mel frames i-5 .. i+5
 
@@ -149,7 +149,6 @@ class CodecDecoder(nn.Module):
         finalize: bool = True,
         offset_frames: int = 0,
         past: list[Past] | None = None,
-        solver: PaddedSolve | None = None,
     ) -> Tensor:
         """The flow: log-mel [mels, frames] of `codes` in `prompt`'s voice, from frame `offset_frames` on.
 
@@ -158,11 +157,9 @@ class CodecDecoder(nn.Module):
         are final (with chunk masks and a chunk-aligned end they never change as more codes come).
         past (streaming only, one per ODE step): the flow's state over the frames before its end, which
         the solve then skips, extended to this call's end (which must be chunk-aligned unless finalize).
-        solver (streaming, no past): the solve padded to a bucket of frames, replayed from a CUDA graph."""
+        Many streams' calls at once, padded and from CUDA graphs: codec/batch.py."""
         if streaming and self.cfg.chunk <= 0:
             raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
-        if solver is not None and (past is not None or not streaming):
-            raise ValueError("a padded solve runs a streaming call without a past")
         device = self.device
         codes = torch.as_tensor(codes, dtype=torch.long, device=device).reshape(-1)
         la, p, prompt_frames = self.cfg.encoder.lookahead, prompt.codes.numel(), prompt.codes.numel() * self.stride
@@ -185,10 +182,7 @@ class CodecDecoder(nn.Module):
         mask = torch.ones(1, 1, frames - start, device=device, dtype=mu.dtype)
         spks = self.flow.speaker(prompt.xvector.to(mu)[None])
         mu, cond = mu[:, :, start:], cond[:, :, start:]
-        if solver is not None:
-            mel = solver(mu, mask, spks, cond)
-        else:
-            mel = solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=streaming, noise=self.noise, past=past)
+        mel = solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=streaming, noise=self.noise, past=past)
         return mel[0, :, prompt_frames + offset_frames - start :]
 
     @torch.inference_mode()

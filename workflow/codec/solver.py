@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from workflow.codec.config import SolverConfig
-from workflow.cudagraphs import Graphs
 
 if TYPE_CHECKING:
     from workflow.codec.estimator import Past
@@ -139,27 +138,3 @@ class FlowSolver:
         self, estimator: Estimator, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False
     ) -> Tensor:
         return solve(estimator, mu, mask, spks, cond, self.cfg, streaming=streaming, noise=self.noise)
-
-
-class PaddedSolve:
-    """A streaming `solve` over frames padded with masked zeros to a multiple of `bucket`, so that a
-    stream's calls, whose frames grow by a chunk each, share a shape per bucket: on CUDA each shape
-    is replayed from a CUDA graph (its inputs copied into static buffers). Under chunk masks the
-    padding, after every real frame, changes none of them (their keys exclude it; convolutions
-    look left). The noise buffer must live on the model's device (a graph cannot copy from the host)."""
-
-    def __init__(self, estimator: Estimator, cfg: SolverConfig, noise: FixedNoise, device: torch.device, bucket: int = 160):
-        self.estimator, self.cfg, self.noise, self.bucket = estimator, cfg, noise, bucket
-        self.graphs = Graphs(device) if device.type == "cuda" else None
-
-    def __call__(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
-        """As `solve(..., streaming=True)`: mu, cond [B, 80, T]; mask [B, 1, T]; spks [B, 80] -> [B, 80, T]."""
-        t = mu.shape[-1]
-        pad = -t % self.bucket
-        args = [torch.nn.functional.pad(a, (0, pad)) for a in (mu, mask)] + [spks, torch.nn.functional.pad(cond, (0, pad))]
-        if self.graphs is None:
-            return solve(self.estimator, *args, self.cfg, True, self.noise)[..., :t]
-        # per priority too: two lanes of the detokenizer may replay a shape at once (own buffers, own pool)
-        key = (*(tuple(a.shape) for a in args), mu.dtype, torch.cuda.current_stream(mu.device).priority)
-        out = self.graphs.call(key, lambda *static: solve(self.estimator, *static, self.cfg, True, self.noise), *args)
-        return out[..., :t].clone()

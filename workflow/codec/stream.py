@@ -53,7 +53,6 @@ from torch import Tensor
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.hift import DEFAULT_SEED
-from workflow.codec.solver import PaddedSolve
 
 
 @dataclass(frozen=True)
@@ -84,14 +83,9 @@ class CodecStream:
         keep_mel: bool = False,
         flow_cache: bool = True,
         past: list[Past] | None = None,
-        solver: PaddedSolve | None = None,
     ) -> None:
         """past: the voice prompt's flow past (`decoder.prompt_past(prompt)`), copied; made here if not
-        given. Unused with flow_cache False. solver (flow_cache False): each streaming call's solve,
-        padded to a bucket and on CUDA replayed from a graph (`solver.PaddedSolve`)."""
-        if solver is not None and flow_cache:
-            raise ValueError("a padded solve re-runs every frame: it needs flow_cache=False")
-        self.solver = solver
+        given. Unused with flow_cache False."""
         cfg = decoder.cfg
         if cfg.chunk <= 0:
             raise ValueError("streaming needs a chunk-trained config (cfg.chunk > 0)")
@@ -175,7 +169,6 @@ class CodecStream:
             finalize=call.finalize,
             offset_frames=call.offset * self.decoder.stride,
             past=self.past if streaming else None,  # an offline last call reads every frame
-            solver=self.solver if streaming else None,
         )
         return self.keep(mel)
 
