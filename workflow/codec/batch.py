@@ -22,18 +22,18 @@ arithmetic (tests/test_codec_batch.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
-from workflow.codec.encoder import on_device
 from workflow.codec.hift import DEFAULT_SEED
-from workflow.codec.solver import solve
 from workflow.codec.stream import CodecStream, FlowCall
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Clock, Lanes, Piece
+from workflow.engines.base import to_device
 
 KEYS = 1 << 40  # new_key's first key, above any request id
 Work = list[tuple[CodecStream, list[Tensor], bool, int]]  # per piece: its stream, its calls' frames, its end, first round
@@ -128,26 +128,15 @@ class CodecBatch:
         args = [tokens, torch.tensor([len(b) for b in bodies])]
         if not finalize:
             args.append(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))))
-        args = [on_device(a, dev) for a in args]
+        args = [to_device(dev, a) for a in args]
+        flow = functools.partial(dec.rows, self.voice, chunk=dec.cfg.chunk)
         if self.graphs is None:
-            mel = self.flow(*args)
+            mel = flow(*args)
         else:  # its output lives in the graph's pool until the next replay: cloned
             key = ("flow", tuple(tokens.shape), finalize, torch.cuda.current_stream(dev).priority)
-            mel = self.graphs.call(key, self.flow, *args).clone()
+            mel = self.graphs.call(key, flow, *args).clone()
         p = self.voice.mel.shape[1]
         return [mel[i, :, p + c.offset * stride : len(bodies[i]) * stride] for i, c in enumerate(calls)]
-
-    def flow(self, tokens: Tensor, lengths: Tensor, context: Tensor | None = None) -> Tensor:
-        """The flow over padded rows: tokens [n, T] (prompt first), lengths [n], context [n, lookahead]
-        (None: the rows end there) -> mel [n, mels, T * stride], float32; all on the device."""
-        dec = self.decoder
-        mu = dec.flow(tokens, lengths, chunk=dec.cfg.chunk, context=context)
-        frames = torch.arange(mu.shape[-1], device=mu.device)
-        mask = (frames[None] < lengths[:, None] * dec.stride)[:, None].to(mu.dtype)
-        cond = torch.zeros_like(mu)
-        cond[:, :, : self.voice.mel.shape[1]] = self.voice.mel.to(mu)
-        spks = dec.flow.speaker(self.voice.xvector.to(mu)[None]).expand(len(tokens), -1)
-        return solve(dec.estimator, mu, mask, spks, cond, dec.cfg.solver, streaming=True, noise=dec.noise)
 
     def hift(self, calls: list[tuple[CodecStream, Tensor]], final: list[bool]) -> list[Tensor]:
         """HiFT over one call of each stream: sources one by one, the network by frame count."""
@@ -176,7 +165,7 @@ class CodecSpeech:
     the rows are B streams of one voice, each chunk's flow calls batched, then their HiFT."""
 
     def __init__(self, batch: CodecBatch, rows: int) -> None:
-        self.batch, self.rows = batch, rows
+        self.batch = batch
         self.keys = [batch.new_key() for _ in range(rows)]
 
     def mel(self, codes: Tensor, done: int, last: bool) -> Work:

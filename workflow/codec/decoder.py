@@ -32,6 +32,7 @@ from workflow.codec.estimator import CausalConditionalDecoder, Past
 from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT, excitation
 from workflow.codec.mel import LogMel
 from workflow.codec.solver import FixedNoise, solve
+from workflow.engines.base import to_device
 
 F0_RADIUS = ELU_CONVS  # the F0 predictor's five k=3 convolutions: f0 at frame i reads mel frames i-5 .. i+5
 
@@ -168,22 +169,34 @@ class CodecDecoder(nn.Module):
         if prompt.mel.shape[1] != prompt_frames:
             raise ValueError(f"prompt mel has {prompt.mel.shape[1]} frames, its {p} codes need {prompt_frames}")
         tokens = torch.cat([prompt.codes.to(device), codes])[None]
-        chunk = self.cfg.chunk if streaming else 0
         body, context = (tokens, None) if finalize else (tokens[:, :-la], tokens[:, -la:])
-        mu = self.flow(body, chunk=chunk, context=context)
-        frames = mu.shape[-1]
-        cond = torch.zeros_like(mu)
-        cond[0, :, :prompt_frames] = prompt.mel.to(mu)
+        frames = body.shape[1] * self.stride
         start = past[0].frames if past is not None else 0
         if start > prompt_frames + offset_frames:
             raise ValueError(f"the flow's past ends at frame {start}, after the first one asked for")
         if past is not None and not finalize and frames % (self.cfg.chunk * self.stride):
             raise ValueError(f"a past must end on a chunk boundary; this call ends at frame {frames}")
-        mask = torch.ones(1, 1, frames - start, device=device, dtype=mu.dtype)
-        spks = self.flow.speaker(prompt.xvector.to(mu)[None])
-        mu, cond = mu[:, :, start:], cond[:, :, start:]
-        mel = solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=streaming, noise=self.noise, past=past)
+        chunk = self.cfg.chunk if streaming else 0
+        mel = self.rows(prompt, body, torch.tensor([body.shape[1]]), context, chunk=chunk, past=past)
         return mel[0, :, prompt_frames + offset_frames - start :]
+
+    def rows(
+        self, prompt: VoicePrompt, tokens: Tensor, lengths: Tensor, context: Tensor | None = None, *, chunk: int,
+        past: list[Past] | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The flow over rows in one voice: tokens [n, T] (the prompt's codes first; a row's end past
+        its `lengths` is padding), context [n, lookahead] or None (the rows end there), chunk 0
+        (offline) or the chunk masks' -> mel [n, mels, T * stride - s], float32, from the frame s
+        where `past` ends (0 without it). `mel` runs one row; codec/batch.py many, padded."""
+        mu = self.flow(tokens, lengths, chunk=chunk, context=context)
+        start = past[0].frames if past is not None else 0
+        frames = torch.arange(start, mu.shape[-1], device=mu.device)
+        mask = (frames[None] < to_device(mu.device, lengths)[:, None] * self.stride)[:, None].to(mu.dtype)
+        cond = torch.zeros_like(mu)
+        cond[:, :, : prompt.mel.shape[1]] = prompt.mel.to(mu)
+        spks = self.flow.speaker(prompt.xvector.to(mu)[None]).expand(len(tokens), -1)
+        mu, cond = mu[:, :, start:], cond[:, :, start:]
+        return solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=chunk > 0, noise=self.noise, past=past)
 
     @torch.inference_mode()
     def prompt_past(self, prompt: VoicePrompt) -> list[Past]:

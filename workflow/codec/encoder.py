@@ -27,17 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workflow.codec.config import EncoderConfig
+from workflow.engines.base import to_device
 
 LAYER_NORM_EPS = 1e-12  # the conformer layers' norm_mha / norm_ff (official)
 INPUT_NORM_EPS = 1e-5  # the linear input layers' LayerNorm and after_norm (official)
-
-
-def on_device(t: Tensor, device: torch.device) -> Tensor:
-    """t on the device; from the host through pinned memory, without waiting: a copy from pageable
-    memory would first wait for the stream's work (a detokenizer lane's earlier batch)."""
-    if t.device == device:
-        return t
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def rel_positions(length: int, dim: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -256,7 +249,7 @@ class FlowFrontEnd(nn.Module):
             raise ValueError(f"context must be [{b}, {self.cfg.lookahead}], got {list(context.shape)}")
         x = self.input_embedding(tokens.clamp(min=0))  # the official clamp: padding ids may be -1
         ctx = None if context is None else self.input_embedding(context.clamp(min=0))
-        h = self.encoder(x, on_device(lengths, tokens.device), chunk, ctx)
+        h = self.encoder(x, to_device(tokens.device, lengths), chunk, ctx)
         return self.encoder_proj(h).transpose(1, 2)
 
     def speaker(self, xvector: Tensor) -> Tensor:

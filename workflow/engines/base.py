@@ -103,8 +103,11 @@ class Engine(ABC):
 def to_device(device: torch.device, host: torch.Tensor | Sequence) -> torch.Tensor:
     """Host ints (a tensor, or nested lists of ints or bools, as long) on the device, copied
     through pinned memory without waiting: a plain copy from pageable memory first waits for
-    the stream's work (a running decode step) and holds back every launch behind it."""
+    the stream's work (a running decode step) and holds back every launch behind it. A tensor
+    already on a device is returned as it is."""
     host = host if isinstance(host, torch.Tensor) else torch.tensor(host, dtype=torch.long)
+    if host.device.type != "cpu":
+        return host
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -66,6 +66,11 @@ class LoadConfig:
         return cls(**(d | tuples))
 
 
+def pcm_rate(detokenize: Detokenize | None) -> float:
+    """The detokenizer's PCM samples a second; with none, the scheduler counts a code as a sample."""
+    return getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
+
+
 def audible(req: Request, sample_rate: float) -> list[tuple[float, float]]:
     """(ready, due) of each chunk with PCM, in order: playback starts at the first, and a chunk is
     due when the PCM of those before it has played, `sample_rate` samples a second."""
@@ -139,7 +144,7 @@ def run_level(
         detokenize_batches=cfg.detokenize_batches, first_chunks_apart=cfg.first_chunks_apart, sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
-    rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)  # no detokenizer: a "sample" a code
+    rate = pcm_rate(detokenize)
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
@@ -264,8 +269,7 @@ def run(
             served = [r for r in done if r.error is None and r.ttfa_s is not None]
             if served and kind == "closed":  # the latest closed level's stream arriving nearest its middle
                 mid = served[0].t_arrival + cfg.duration_s / 2
-                rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
-                example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), rate)
+                example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), pcm_rate(detokenize))
                 example["level"] = value
     ok = [
         lv["value"]
