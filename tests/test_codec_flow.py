@@ -12,6 +12,7 @@ import torch
 
 from workflow.codec.config import CodecConfig, EstimatorConfig, SolverConfig
 from workflow.codec.estimator import PREFIX, CausalConditionalDecoder, Past, attention_mask, sinusoidal
+from workflow.codec.fast import FastEstimator
 from workflow.codec.solver import FixedNoise, FlowSolver, cosine_schedule, solve
 
 TINY = CodecConfig.tiny()
@@ -304,16 +305,19 @@ REFERENCE = {
 }
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_tiny_estimator_matches_official_reference_values(streaming):
+def test_tiny_estimator_matches_official_reference_values(streaming, fast):
+    """Its own forward and its fast pass (fast.py) alike."""
     est = CausalConditionalDecoder.from_codec(TINY).eval()
     fill_deterministic(est)
+    run = FastEstimator(est) if fast else est
     frames = 24  # one full chunk of 20 and a partial one
     grid = torch.arange(80 * frames, dtype=torch.float64).reshape(1, 80, frames)
     x, mu, cond = (torch.sin(grid * 0.11).float(), torch.cos(grid * 0.07).float(), torch.sin(grid * 0.05 + 1).float())
     spks = torch.cos(torch.arange(80, dtype=torch.float64) * 0.3).float()[None]
     with torch.inference_mode():
-        out = est(x, torch.ones(1, 1, frames), mu, torch.tensor([0.37]), spks, cond, streaming=streaming)
+        out = run(x, torch.ones(1, 1, frames), mu, torch.tensor([0.37]), spks, cond, streaming=streaming)
     values, total = REFERENCE[streaming]
     for (c, f), want in values.items():
         assert out[0, c, f].item() == pytest.approx(want, abs=2e-5), (c, f)

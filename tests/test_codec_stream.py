@@ -93,7 +93,7 @@ def test_mel_is_flow_inference_prompt_first_then_trimmed(decoder, streaming):
         cond = torch.cat([voice.mel, torch.zeros(80, 4 * 9)], dim=1)[None]
         spks = decoder.flow.speaker(voice.xvector[None])
         mask = torch.ones(1, 1, mu.shape[-1])
-        want = solve(decoder.estimator, mu, mask, spks, cond, TINY.solver, streaming=streaming, noise=decoder.noise)
+        want = solve(decoder.velocity, mu, mask, spks, cond, TINY.solver, streaming=streaming, noise=decoder.noise)
         other = decoder.mel(x, dataclasses.replace(voice, mel=voice.mel + 1.0), streaming=streaming)
     assert got.shape == (80, 4 * 9 - 4)
     assert torch.equal(got, want[0, :, 4 * 7 + 4 :])
@@ -171,7 +171,8 @@ def test_the_flow_cache_solves_only_new_frames_and_gives_the_prefix_reruns_mel(d
     assert [p.frames for p in past] == [cached] * TINY.solver.steps
     kept = [dict(p.keys) for p in past]
     widths: list[int] = []
-    hook = decoder.estimator.register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[-1]))
+    first = decoder.estimator.transformer_blocks()[0]  # run once a pass, on [B, T, C]
+    hook = first.register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
     try:
         _, s = run(decoder, voice, x, 2, keep_mel=True, past=past)
     finally:

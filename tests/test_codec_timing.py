@@ -19,7 +19,7 @@ def test_the_timed_stages_are_the_decoders_own_computation():
     run = Runner(ours, batch=2, body=15, prompt_codes=10, graphs=False)
     mu = ours.flow(run.tokens, chunk=ours.cfg.chunk, context=run.context)  # with its argument checks
     assert torch.equal(run.front_end(), mu) and mu.shape == (2, 80, 60)
-    want = solve(ours.estimator, mu, run.mask, run.spks, run.cond, ours.cfg.solver, True, ours.noise)
+    want = solve(ours.velocity, mu, run.mask, run.spks, run.cond, ours.cfg.solver, True, ours.noise)
     assert torch.equal(run.solve(), want)
     assert run.ode_step().shape == (4, 80, 60)  # guidance: the conditioned and unconditioned halves
     want, _ = ours.hift(run.mel, generator=torch.Generator().manual_seed(0))  # HiFT's own forward, the same noise

@@ -29,9 +29,10 @@ from torch import Tensor, nn
 from workflow.codec.config import CodecConfig, HiftConfig, MelConfig
 from workflow.codec.encoder import FlowFrontEnd
 from workflow.codec.estimator import CausalConditionalDecoder, Past
+from workflow.codec.fast import FastEstimator
 from workflow.codec.hift import DEFAULT_SEED, ELU_CONVS, HiFT, excitation
 from workflow.codec.mel import LogMel
-from workflow.codec.solver import FixedNoise, solve
+from workflow.codec.solver import Estimator, FixedNoise, solve
 from workflow.engines.base import to_device
 
 F0_RADIUS = ELU_CONVS  # the F0 predictor's five k=3 convolutions: f0 at frame i reads mel frames i-5 .. i+5
@@ -115,16 +116,24 @@ class NsfSource:
 class CodecDecoder(nn.Module):
     """MOSS-Speech's codec decoder (one utterance at a time, as the official code): the flow's front end
     (`flow`), its velocity estimator, the fixed noise, HiFT. `cfg.chunk` > 0 means chunk-trained weights
-    (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt."""
+    (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt. `official`: the solves run
+    the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass."""
 
-    def __init__(self, cfg: CodecConfig | None = None) -> None:
+    def __init__(self, cfg: CodecConfig | None = None, *, official: bool = False) -> None:
         super().__init__()
+        self.official = official
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)
         self.noise = FixedNoise(cfg.solver.noise_frames, cfg.solver.noise_seed, cfg.encoder.mel)
         self.hift = HiFT(cfg.hift)
         self.source = NsfSource(self.hift)
+
+    @property
+    def velocity(self) -> Estimator:
+        """What the solves call: the estimator's fast pass (fast.py), or its own forward if `official`.
+        A `Past` is made and read by the same one."""
+        return self.estimator if self.official else FastEstimator(self.estimator)
 
     @property
     def stride(self) -> int:
@@ -196,7 +205,7 @@ class CodecDecoder(nn.Module):
         cond[:, :, : prompt.mel.shape[1]] = prompt.mel.to(mu)
         spks = self.flow.speaker(prompt.xvector.to(mu)[None]).expand(len(tokens), -1)
         mu, cond = mu[:, :, start:], cond[:, :, start:]
-        return solve(self.estimator, mu, mask, spks, cond, self.cfg.solver, streaming=chunk > 0, noise=self.noise, past=past)
+        return solve(self.velocity, mu, mask, spks, cond, self.cfg.solver, streaming=chunk > 0, noise=self.noise, past=past)
 
     @torch.inference_mode()
     def prompt_past(self, prompt: VoicePrompt) -> list[Past]:
@@ -216,7 +225,7 @@ class CodecDecoder(nn.Module):
         mu = self.flow(body, chunk=cfg.chunk, context=context)[:, :, :frames]
         mask = torch.ones(1, 1, frames, device=mu.device, dtype=mu.dtype)
         spks = self.flow.speaker(prompt.xvector.to(mu)[None])
-        solve(self.estimator, mu, mask, spks, prompt.mel[None, :, :frames].to(mu), cfg.solver, True, self.noise, past)
+        solve(self.velocity, mu, mask, spks, prompt.mel[None, :, :frames].to(mu), cfg.solver, True, self.noise, past)
         return past
 
     def vocode(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -106,26 +106,40 @@ class CausalResnetBlock1D(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention, diffusers' parameter names: to_q/to_k/to_v without bias, to_out.0 with."""
+    """Multi-head self-attention. q, k and v come from one GEMM (`qkv`, the three weights stacked); the
+    state dict holds diffusers' names (to_q/to_k/to_v without bias, to_out.0 with), split and joined by hooks."""
+
+    PARTS = ("to_q", "to_k", "to_v")
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
         inner = heads * head_dim
         self.heads = heads
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.qkv = nn.Linear(dim, 3 * inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # (diffusers' to_out.1 is a parameter-free dropout)
+        self._register_state_dict_hook(Attention._split)
+        self._register_load_state_dict_pre_hook(Attention._join)
+
+    @staticmethod
+    def _split(module: nn.Module, state: dict, prefix: str, _meta: object) -> None:
+        for name, part in zip(Attention.PARTS, state.pop(prefix + "qkv.weight").chunk(3), strict=True):
+            state[prefix + name + ".weight"] = part
+
+    @staticmethod
+    def _join(state: dict, prefix: str, *_: object) -> None:
+        names = [prefix + name + ".weight" for name in Attention.PARTS]
+        if all(n in state for n in names):  # else strict loading reports qkv.weight missing
+            state[prefix + "qkv.weight"] = torch.cat([state.pop(n) for n in names])
 
     def forward(self, x: Tensor, allowed: Tensor, past: Past | None = None) -> Tensor:
-        """x [B, T, dim]; allowed [B, T, keys] bool, True where query row may attend to key column; the
-        keys are the past's frames (if any), then x's."""
+        """x [B, T, dim]; allowed [B, T, keys], True (or an additive 0) where query row may attend to key
+        column; the keys are the past's frames (if any), then x's."""
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         if past is not None:
             if self in past.keys:
                 k, v = (torch.cat([old, new], dim=2) for old, new in zip(past.keys[self], (k, v), strict=True))
-            past.keys[self] = (k, v)
+            past.keys[self] = (k.contiguous(), v.contiguous())  # not views of the qkv output, 3x their size
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
         return self.to_out[0](y.transpose(1, 2).reshape(b, t, -1))
 

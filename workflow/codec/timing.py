@@ -11,12 +11,13 @@ into the reply; each at every batch in `batches` (streams whose calls fall due t
 same length here).
 
 Three ways to run it, on the same weights (random, of the preset's shape, or the codec's checkpoint):
-- `baseline`: the official code's structure (no cache), float32 and eager, one stream at a time
-  (batch 1); HiFT there is the same batched call, eager;
-- ours: `dtype`, every frame each call (what the benchmark's stream runs on CUDA), and on CUDA the
-  front end, one ODE step and the whole solve each replayed from a CUDA graph per shape; HiFT
-  (float32) runs every stream's frames at once, its network and iSTFT from a graph, its NSF source
-  eager (its noise comes from a generator);
+- `baseline`: the official code's structure (no cache; the estimator's own forward, its q, k and v
+  from one GEMM as ours), float32 and eager, one stream at a time (batch 1); HiFT there is the same
+  batched call, eager;
+- ours: `dtype`, the estimator's fast pass (fast.py), every frame each call (what the benchmark's
+  stream runs on CUDA), and on CUDA the front end, one ODE step and the whole solve each replayed
+  from a CUDA graph per shape; HiFT (float32) runs every stream's frames at once, its network and
+  iSTFT from a graph, its NSF source eager (its noise comes from a generator);
 - `flow_cache` ("ours, flow cache"): ours solving only the new frames against the cached past
   (graphed per past length here), the cache's A/B. Its past costs ~2.3 MB a frame a stream at the
   true shape in bf16, twice that while a call copies it.
@@ -101,7 +102,7 @@ class Runner:
             self.past = [Past() for _ in range(cfg.solver.steps)]
             with torch.no_grad():
                 solve(
-                    dec.estimator,
+                    dec.velocity,
                     *self._frames(self.mu, self.mask, self.spks, self.cond, end=past_frames),
                     cfg.solver,
                     True,
@@ -142,14 +143,12 @@ class Runner:
     def ode_step(self) -> torch.Tensor:
         """One estimator pass over 2B rows (the conditioned and the unconditioned half), the middle step's past."""
         x, mask, mu, spks, cond = self._frames(*self.pass_args)
-        return self.dec.estimator(
-            x, mask, mu, self.t, spks, cond, streaming=True, past=self._copy(self.dec.cfg.solver.steps // 2)
-        )
+        return self.dec.velocity(x, mask, mu, self.t, spks, cond, streaming=True, past=self._copy(self.dec.cfg.solver.steps // 2))
 
     @torch.no_grad()
     def solve(self) -> torch.Tensor:
         cfg, args = self.dec.cfg, self._frames(self.mu, self.mask, self.spks, self.cond)
-        return solve(self.dec.estimator, *args, cfg.solver, True, self.dec.noise, self._copy())
+        return solve(self.dec.velocity, *args, cfg.solver, True, self.dec.noise, self._copy())
 
     def past_bytes(self) -> int:
         """The flow cache's bytes, every step's (0 without it)."""
@@ -174,12 +173,13 @@ class Runner:
 
 
 def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> tuple[CodecDecoder, CodecDecoder | None]:
-    """Ours (t.dtype; HiFT float32) and the baseline (float32), one set of weights: the checkpoint's,
-    checked against the preset's shape, or random."""
+    """Ours (t.dtype, the estimator's fast pass; HiFT float32) and the baseline (float32, the estimator's
+    official forward), one set of weights: the checkpoint's, checked against the preset's shape, or random."""
     torch.manual_seed(t.seed)
     cfg = PRESETS[t.preset]()
     base = (checkpoint.load(checkpoint.fetch(t.weights, cache_dir), cfg) if t.weights else CodecDecoder(cfg)).eval().to(device)
     base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
+    base.official = True
     ours = CodecDecoder(base.cfg).eval().to(device)
     ours.load_state_dict(base.state_dict())
     dtype = getattr(torch, t.dtype)

@@ -1,0 +1,103 @@
+"""The estimator's fast pass (workflow/codec/fast.py) computes what its official forward computes.
+
+CPU, float32, the tiny shape; the official forward is itself checked against values from the
+official code (test_codec_flow.py), and so is the fast pass there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workflow.codec.config import CodecConfig
+from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.estimator import CausalConditionalDecoder, Past, attention_mask
+from workflow.codec.fast import ALIGN, FastEstimator, attention_bias
+
+TINY = CodecConfig.tiny()
+CHUNK = TINY.chunk * TINY.encoder.stride
+
+
+def estimator() -> CausalConditionalDecoder:
+    torch.manual_seed(0)
+    return CausalConditionalDecoder.from_codec(TINY).eval()
+
+
+def inputs(b: int, t: int, seed: int = 1) -> list[torch.Tensor]:
+    """x, mask (ones), mu, t, spks, cond."""
+    g = torch.Generator().manual_seed(seed)
+    x, mu, cond = (torch.randn(b, 80, t, generator=g) for _ in range(3))
+    return [x, torch.ones(b, 1, t), mu, torch.rand(b, generator=g), torch.randn(b, 80, generator=g), cond]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_right_padded_rows_give_the_official_forwards_frames(streaming):
+    """Two rows, the second right-padded after 45 frames, with large values in its padding: the fast
+    pass masks only its output, and still equals the official forward (which masks every block)."""
+    est = estimator()
+    x, mask, mu, t, spks, cond = inputs(2, 57)
+    mask[1, :, 45:] = 0
+    for v in (x, mu, cond):
+        v[1, :, 45:] = 100.0
+    with torch.inference_mode():
+        want = est(x, mask, mu, t, spks, cond, streaming=streaming)
+        got = FastEstimator(est)(x, mask, mu, t, spks, cond, streaming=streaming)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(got[1, :, 45:], torch.zeros(80, 12))
+    assert (got[0] - got[1]).abs().max() > 1e-2  # the rows are not the same computation
+
+
+def test_against_a_past_it_gives_the_official_forwards_frames():
+    """Frames in pieces, each against the past its earlier pieces left (the flow cache)."""
+    est = estimator()
+    fast = FastEstimator(est)
+    x, mask, mu, t, spks, cond = inputs(2, 2 * CHUNK + 13)
+    ours, theirs, got, want, a = Past(), Past(), [], [], 0
+    with torch.inference_mode():
+        for n in (CHUNK, CHUNK, 13):
+            piece = [v[:, :, a : a + n] for v in (x, mask, mu)]
+            got.append(fast(*piece, t, spks, cond[:, :, a : a + n], True, ours))
+            want.append(est(*piece, t, spks, cond[:, :, a : a + n], True, theirs))
+            a += n
+    torch.testing.assert_close(torch.cat(got, -1), torch.cat(want, -1), rtol=0, atol=1e-5)
+    assert ours.frames == theirs.frames == a and set(ours.keys) == set(theirs.keys)
+
+
+def test_the_attention_bias_is_the_mask_additive_with_aligned_rows():
+    mask = torch.ones(2, 1, 27)
+    mask[1, :, 20:] = 0
+    for start in (0, 20):
+        bias = attention_bias(mask, CHUNK, start, torch.bfloat16)
+        allowed = attention_mask(mask, CHUNK, start)
+        assert bias.shape == (2, 1, 27, 27 + start) and bias.dtype == torch.bfloat16
+        assert torch.equal(bias[:, 0] == 0, allowed) and torch.isinf(bias[:, 0][~allowed]).all()
+        assert bias.stride(-2) % ALIGN == 0 and bias.stride(-1) == 1
+
+
+def test_q_k_v_load_in_order_and_save_under_their_own_names():
+    est = estimator()
+    attn = est.transformer_blocks()[0].attn1
+    prefix = "down_blocks.0.1.0.attn1."
+    state = est.state_dict()
+    for i, name in enumerate(("to_q", "to_k", "to_v")):
+        state[prefix + name + ".weight"] = torch.full_like(state[prefix + name + ".weight"], float(i))
+    est.load_state_dict(state)
+    rows = attn.qkv.weight.shape[0] // 3
+    assert [attn.qkv.weight[i * rows : (i + 1) * rows].unique().tolist() for i in range(3)] == [[0.0], [1.0], [2.0]]
+    saved = est.state_dict()
+    assert prefix + "qkv.weight" not in saved and torch.equal(saved[prefix + "to_k.weight"], state[prefix + "to_k.weight"])
+
+
+def test_the_decoder_solves_with_the_fast_pass_unless_official():
+    """The same mel either way (within float rounding), the decoder's own flow call."""
+    torch.manual_seed(0)
+    fast = CodecDecoder(TINY).eval()
+    official = CodecDecoder(TINY, official=True).eval()
+    official.load_state_dict(fast.state_dict())
+    assert isinstance(fast.velocity, FastEstimator) and official.velocity is official.estimator
+    g = torch.Generator().manual_seed(2)
+    voice = VoicePrompt(torch.randint(0, 16384, (10,), generator=g), torch.randn(80, 40, generator=g), torch.randn(192))
+    codes = torch.randint(0, 16384, (13,), generator=g)
+    with torch.inference_mode():
+        got = fast.mel(codes, voice, streaming=True, finalize=False)
+        want = official.mel(codes, voice, streaming=True, finalize=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

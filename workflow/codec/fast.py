@@ -1,0 +1,132 @@
+"""The estimator's pass in fewer kernels: the function `CausalConditionalDecoder.forward` computes (the
+official structure, which stays the baseline and the reference), for the decoder's own solves.
+
+Why: at the true shape one pass is ~1,300 small kernels, so an ODE step is bound by their number at
+batch 1 (even from a CUDA graph) and by the elementwise ones' memory traffic at batch 32. Here:
+
+- activations stay [B, T, C], time-major, through the whole U-Net: LayerNorm over channels and the
+  attention blocks read them as they are, with no transposed copies;
+- a causal convolution (k = 3) is one GEMM: each frame's window of k frames, [B, T, k * C_in], against
+  the weight viewed [C_out, C_in * k]; a 1x1 convolution is a Linear;
+- the frame mask multiplies the output only. The official code multiplies before and after every
+  block, which changes padded frames only: rows must be right-padded (each row's valid frames first,
+  as every caller here makes them), convolutions look left and attention reads valid keys only, so a
+  padded frame never reaches a valid one;
+- the attention mask is made once a pass, additive in the activations' dtype and its rows aligned
+  for the memory-efficient kernel (a boolean mask is converted, and an unaligned one padded, by every
+  attention call);
+- the time embedding's Mish, the first op of every resnet's time MLP, runs once.
+
+Weights are read from the module at each call (nothing derived is kept), so loading or casting the
+estimator needs nothing redone. A `Past` made here keeps its convolutions' frames time-major: a past is
+used by the pass that made it (CodecDecoder runs one or the other)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workflow.codec.estimator import (
+    CausalBlock1D,
+    CausalConditionalDecoder,
+    CausalConv1d,
+    CausalResnetBlock1D,
+    Past,
+    attention_mask,
+    sinusoidal,
+)
+
+ALIGN = 8  # elements: the memory-efficient attention kernel's alignment of its mask's rows
+
+
+def conv(c: nn.Conv1d, x: Tensor, past: Past | None = None) -> Tensor:
+    """A Conv1d (causal: left context from `past`, or zeros at the sequence start) over x [B, T, C_in]
+    -> [B, T, C_out]."""
+    k = c.kernel_size[0]
+    if k == 1:
+        return F.linear(x, c.weight[:, :, 0], c.bias)
+    if not isinstance(c, CausalConv1d):
+        raise TypeError(f"only causal convolutions run time-major here, not {type(c).__name__}")
+    before = past.convs.get(c) if past is not None else None
+    if past is None:
+        x = F.pad(x, (0, 0, c.left, 0))
+    else:
+        x = torch.cat([x.new_zeros(x.shape[0], c.left, x.shape[2]) if before is None else before, x], dim=1)
+        past.convs[c] = x[:, -c.left :]
+    windows = x.unfold(1, k, 1)  # [B, T, C_in, k]: frame t's window, t - left .. t
+    return F.linear(windows.reshape(*windows.shape[:2], -1), c.weight.flatten(1), c.bias)
+
+
+def block(b: CausalBlock1D, x: Tensor, past: Past | None) -> Tensor:
+    """Causal conv -> LayerNorm over channels -> Mish, [B, T, C]."""
+    c, _, norm = b.block
+    return F.mish(norm(conv(c, x, past)))
+
+
+def resnet(r: CausalResnetBlock1D, x: Tensor, temb: Tensor, past: Past | None) -> Tensor:
+    """temb: Mish of the time embedding [B, 4C] (the time MLP's first op, shared by every resnet)."""
+    h = block(r.block1, x, past) + F.linear(temb, r.mlp[1].weight, r.mlp[1].bias)[:, None]
+    return block(r.block2, h, past) + conv(r.res_conv, x)
+
+
+def attention_bias(mask: Tensor, chunk_frames: int, start: int, dtype: torch.dtype) -> Tensor:
+    """`attention_mask` as SDPA's additive mask [B, 1, T, keys]: 0 where a query may attend, -inf
+    elsewhere, each row's start aligned (the tensor is a slice of a wider one)."""
+    allowed = attention_mask(mask, chunk_frames, start)
+    keys = allowed.shape[-1]
+    bias = allowed.new_zeros(*allowed.shape[:2], -(-keys // ALIGN) * ALIGN, dtype=dtype)[..., :keys]
+    return bias.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+class FastEstimator:
+    """Called like the estimator (solver.Estimator), with the same result: see the module docstring."""
+
+    def __init__(self, est: CausalConditionalDecoder) -> None:
+        self.est = est
+
+    def __call__(
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor | None = None,
+        cond: Tensor | None = None,
+        streaming: bool = False,
+        past: Past | None = None,
+    ) -> Tensor:
+        """x, mu, cond [B, 80, T]; mask [B, 1, T], right-padded; t [B]; spks [B, 80] -> velocity [B, 80, T]."""
+        est = self.est
+        if past is not None and not (streaming and est.chunk_frames > 0):
+            raise ValueError("a past needs chunk masks (streaming with a chunk-trained estimator)")
+        temb = F.mish(est.time_mlp(sinusoidal(t, est.cfg.in_channels)))
+        parts = [x, mu]
+        if spks is not None:
+            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        if cond is not None:
+            parts.append(cond)
+        h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)  # [B, T, in_channels]
+        chunk = est.chunk_frames if streaming else 0
+        bias = attention_bias(mask, chunk, past.frames if past else 0, h.dtype)
+
+        def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
+            for b in blocks:
+                h = b(h, bias[:, 0], past)
+            return h
+
+        skips = []
+        for res, blocks, down in est.down_blocks:
+            h = attend(resnet(res, h, temb, past), blocks)
+            skips.append(h)
+            h = conv(down, h, past)
+        for res, blocks in est.mid_blocks:
+            h = attend(resnet(res, h, temb, past), blocks)
+        for res, blocks, up in est.up_blocks:
+            skip = skips.pop()
+            h = torch.cat([h[:, : skip.shape[1]], skip], dim=2)
+            h = conv(up, attend(resnet(res, h, temb, past), blocks), past)
+        h = block(est.final_block, h, past)
+        if past is not None:
+            past.frames += x.shape[-1]
+        return conv(est.final_proj, h).transpose(1, 2) * mask
