@@ -1,4 +1,5 @@
-"""A/B of the estimator's official forward and its fast pass (workflow/codec/fast.py), full shape, bf16,
+"""A/B/C of the estimator's official forward, its fast pass (workflow/codec/fast.py) and the fast pass
+with its blocks compiled, full shape, bf16,
 CUDA graphs, on one GPU: each flow call's stages (timing.Runner) at the first call and 100 codes later,
 batches 1, 8 and 32, and the CUDA kernels one ODE step launches. Prints a table and writes json.
 
@@ -40,8 +41,8 @@ def main() -> None:
     rows = []
     for call, body in (("first", 58), ("later", 158)):
         for batch in map(int, a.batches.split(",")):
-            for variant in ("official", "fast"):
-                dec.official = variant == "official"
+            for variant in ("official", "fast", "compiled"):
+                dec.official, dec.compiled = variant == "official", variant == "compiled"
                 eager = Runner(dec, batch, body, t.prompt_codes, graphs=False)
                 n = kernels(eager) if batch == 1 and device.type == "cuda" else None
                 close(eager)

@@ -117,11 +117,12 @@ class CodecDecoder(nn.Module):
     """MOSS-Speech's codec decoder (one utterance at a time, as the official code): the flow's front end
     (`flow`), its velocity estimator, the fixed noise, HiFT. `cfg.chunk` > 0 means chunk-trained weights
     (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt. `official`: the solves run
-    the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass."""
+    the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass;
+    `compiled`: the fast pass's blocks through torch.compile (fast.py)."""
 
-    def __init__(self, cfg: CodecConfig | None = None, *, official: bool = False) -> None:
+    def __init__(self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False) -> None:
         super().__init__()
-        self.official = official
+        self.official, self.compiled = official, compiled
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)
@@ -133,7 +134,7 @@ class CodecDecoder(nn.Module):
     def velocity(self) -> Estimator:
         """What the solves call: the estimator's fast pass (fast.py), or its own forward if `official`.
         A `Past` is made and read by the same one."""
-        return self.estimator if self.official else FastEstimator(self.estimator)
+        return self.estimator if self.official else FastEstimator(self.estimator, self.compiled)
 
     @property
     def stride(self) -> int:

@@ -79,11 +79,25 @@ def attention_bias(mask: Tensor, chunk_frames: int, start: int, dtype: torch.dty
     return bias.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
-class FastEstimator:
-    """Called like the estimator (solver.Estimator), with the same result: see the module docstring."""
+def transformer(b: nn.Module, h: Tensor, bias: Tensor, past: Past | None = None) -> Tensor:
+    """One transformer block over [B, T, C], `bias` [B, 1, T, keys] (its official forward)."""
+    return b(h, bias[:, 0], past)
 
-    def __init__(self, est: CausalConditionalDecoder) -> None:
+
+COMPILED = {"resnet": torch.compile(resnet, dynamic=True), "transformer": torch.compile(transformer, dynamic=True)}
+
+
+class FastEstimator:
+    """Called like the estimator (solver.Estimator), with the same result: see the module docstring.
+
+    compiled: each resnet and transformer block through torch.compile (dynamic shapes, so one compile
+    serves every batch and length; the blocks' weights are its inputs, so one compile serves every
+    block of a kind), which fuses the elementwise work around the GEMMs. Passes against a `Past` run
+    eager (it is written as they go)."""
+
+    def __init__(self, est: CausalConditionalDecoder, compiled: bool = False) -> None:
         self.est = est
+        self.compiled = compiled
 
     def __call__(
         self,
@@ -110,22 +124,25 @@ class FastEstimator:
         chunk = est.chunk_frames if streaming else 0
         bias = attention_bias(mask, chunk, past.frames if past else 0, h.dtype)
 
+        fused = self.compiled and past is None
+        res, tb = (COMPILED["resnet"], COMPILED["transformer"]) if fused else (resnet, transformer)
+
         def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             for b in blocks:
-                h = b(h, bias[:, 0], past)
+                h = tb(b, h, bias, past)
             return h
 
         skips = []
-        for res, blocks, down in est.down_blocks:
-            h = attend(resnet(res, h, temb, past), blocks)
+        for r, blocks, down in est.down_blocks:
+            h = attend(res(r, h, temb, past), blocks)
             skips.append(h)
             h = conv(down, h, past)
-        for res, blocks in est.mid_blocks:
-            h = attend(resnet(res, h, temb, past), blocks)
-        for res, blocks, up in est.up_blocks:
+        for r, blocks in est.mid_blocks:
+            h = attend(res(r, h, temb, past), blocks)
+        for r, blocks, up in est.up_blocks:
             skip = skips.pop()
             h = torch.cat([h[:, : skip.shape[1]], skip], dim=2)
-            h = conv(up, attend(resnet(res, h, temb, past), blocks), past)
+            h = conv(up, attend(res(r, h, temb, past), blocks), past)
         h = block(est.final_block, h, past)
         if past is not None:
             past.frames += x.shape[-1]
