@@ -101,3 +101,16 @@ def test_the_decoder_solves_with_the_fast_pass_unless_official():
         got = fast.mel(codes, voice, streaming=True, finalize=False)
         want = official.mel(codes, voice, streaming=True, finalize=False)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_compiled_blocks_give_the_official_forwards_frames_at_any_shape():
+    """torch.compile with dynamic shapes: one compile serves other batches and lengths, same result."""
+    est = estimator()
+    fast = FastEstimator(est, compiled=True)
+    for b, t, streaming in ((2, 57, True), (3, 33, True), (1, 41, False)):
+        x, mask, mu, tt, spks, cond = inputs(b, t, seed=b)
+        mask[-1, :, t - 5 :] = 0
+        with torch.inference_mode():
+            want = est(x, mask, mu, tt, spks, cond, streaming=streaming)
+            got = fast(x, mask, mu, tt, spks, cond, streaming=streaming)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -200,9 +200,11 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             "weights": t.weights or "random",
             "prompt_codes": t.prompt_codes,
             "graphs": graphs,
+            "compiled": decoder.compiled,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
             f"{t.dtype}; HiFT float32): every flow call re-runs the front end and the {decoder.cfg.solver.steps}-step ODE "
-            f"over all frames so far" + (", the flow and HiFT's network from CUDA graphs" if graphs else ""),
+            f"over all frames so far, the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
+            + (", the flow and HiFT's network from CUDA graphs" if graphs else ""),
         }
         return (
             (lambda n: CodecSpeech(batch, n)),

@@ -63,6 +63,7 @@ class CodecTiming:
     weights: str | None = None  # None: random; local:<dir> or hf:<repo>@<rev>: the codec's checkpoint (checkpoint.py)
     seed: int = 0
     graphs: bool = True  # CUDA only
+    compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
 
     @classmethod
     def from_dict(cls, d: dict) -> CodecTiming:
@@ -180,7 +181,7 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
     base = (checkpoint.load(checkpoint.fetch(t.weights, cache_dir), cfg) if t.weights else CodecDecoder(cfg)).eval().to(device)
     base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
     base.official = True
-    ours = CodecDecoder(base.cfg).eval().to(device)
+    ours = CodecDecoder(base.cfg, compiled=t.compile and device.type == "cuda").eval().to(device)
     ours.load_state_dict(base.state_dict())
     dtype = getattr(torch, t.dtype)
     ours.flow.to(dtype)
@@ -237,6 +238,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
             "hift": sum(p.numel() for p in ours.hift.parameters()),
         },
         "graphs": graphs,  # whether ours ran from CUDA graphs (asked for, and on CUDA)
+        "compiled": ours.compiled,  # whether ours ran its estimator's blocks compiled
         "steps": cfg.solver.steps,
         "first_codes": chunk + la,
         "calls": rows,
