@@ -92,8 +92,9 @@ def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
 
 def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tiny_engine_dir, decoder, voice):
     """The load benchmark with the codec decoder as serving's detokenizer (the CPU: in line): every
-    request served, its PCM whole (codes x 1920 samples, the first chunk none), its time to first
-    audio the first chunk with PCM, and no decoder state left behind; `warm` leaves none either."""
+    request served, its PCM whole (codes x 1920 samples), its first chunk as many codes as the first
+    PCM needs (11 here), so its time to first audio the first chunk's, and no decoder state left
+    behind; `warm` leaves none either."""
     engine = load_engine(tiny_engine_dir)
     ids = Ids.of(engine.spec)
     detok = CodecLanes(CodecBatch(decoder, voice), torch.device("cpu"), time.perf_counter)
@@ -116,8 +117,9 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     assert out["levels"][0]["served"] == out["levels"][0]["requests"] > 0 and not detok.batch.streams
     for req in served:
         assert req.error is None and sum(req.chunk_samples) == len(req.codes) * SPC
-        assert req.chunk_samples[:2] == [0, 0] and req.chunk_samples[2] > 0  # 5 + 5 codes: short of 11
-        assert req.ttfa_s == pytest.approx(req.chunk_ready[2] - req.t_arrival)
+        assert req.chunk_codes[0] == 11 and all(n == 5 for n in req.chunk_codes[1:-1])  # the first: the first PCM's codes
+        assert all(n > 0 for n in req.chunk_samples)  # so every chunk makes PCM (the last: the rest, the held tail)
+        assert req.ttfa_s == pytest.approx(req.chunk_ready[0] - req.t_arrival)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

@@ -10,8 +10,8 @@ import torch
 import yaml
 from test_generate import IDS, Scripted
 
-from workflow.detokenize import Inline, StandIn, host_time, overlaps
-from workflow.stream import Chunk, Timeline, audio_seconds, check_stream, device_clock, run_stream
+from workflow.detokenize import Inline, StandIn, chunk_due, host_time, overlaps
+from workflow.stream import Chunk, Timeline, audio_seconds, check_stream, chunks_of, device_clock, run_stream
 from workflow.traffic import speech_prompt
 from workflow.vocoder import MelStandIn
 
@@ -324,10 +324,18 @@ def test_first_chunk_alone_holds_decoding_once():
 # --- MOSS-Speech's codec decoder as the detokenizer ---------------------------------------
 
 
+def test_the_first_chunk_is_as_many_codes_as_the_first_pcm_needs():
+    assert [chunk_due(0, n, 5) for n in (4, 5)] == [False, True]  # the stand-in: every 5 codes
+    assert [chunk_due(0, n, 5, 8) for n in (5, 7, 8)] == [False, False, True]  # the codec: 8, then every 5
+    assert [chunk_due(8, n, 5, 8) for n in (4, 5)] == [False, True]
+    assert [chunks_of(n, 5) for n in (10, 12, 3)] == [2, 3, 1]
+    assert [chunks_of(n, 5, 8) for n in (17, 18, 8, 5)] == [3, 3, 1, 1]
+
+
 def test_the_codec_decoder_streams_a_request_as_its_own_stream_would():
     """run_stream through CodecSpeech gives the PCM a CodecStream of its own gives for the same codes,
-    pushed chunk by chunk; the first chunk (5 codes) makes no PCM (the first comes after
-    8: chunk + lookahead), so time to first audio is the second chunk's; the last flushes the rest."""
+    pushed chunk by chunk. The first chunk is 8 codes (chunk + lookahead: the decoder's first PCM), so
+    every chunk makes PCM and time to first audio is the first's; the last flushes the rest."""
     from workflow.codec.batch import CodecBatch, CodecSpeech
     from workflow.codec.config import CodecConfig
     from workflow.codec.decoder import CodecDecoder, VoicePrompt
@@ -346,10 +354,12 @@ def test_the_codec_decoder_streams_a_request_as_its_own_stream_would():
     timeline, audio = run_stream(
         TimedScript(clock, codes), CodecSpeech(batch, 1), speech_prompt(1, 8, IDS, seed=0), num_tokens, chunk, IDS, clock
     )
-    assert check_stream(timeline, audio, num_tokens, chunk, SPT) == [] and audio.shape == (1, num_tokens * SPT)
-    assert [c.tokens for c in timeline.chunks] == [5, 5, 5, 2]
-    assert timeline.chunks[0].samples == 0 and timeline.audible() == timeline.chunks[1:]
-    assert timeline.ttfa_ms() == 1e3 * (timeline.chunks[1].t_ready - timeline.t_request)
+    assert check_stream(timeline, audio, num_tokens, chunk, SPT, batch.first_codes) == []
+    assert audio.shape == (1, num_tokens * SPT)
+    assert check_stream(timeline, audio, num_tokens, chunk, SPT) == ["3 chunks arrived, expected 4"]  # not 5, 10, 15
+    assert [c.tokens for c in timeline.chunks] == [8, 5, 4]
+    assert all(c.samples > 0 for c in timeline.chunks) and timeline.audible() == timeline.chunks
+    assert timeline.ttfa_ms() == 1e3 * (timeline.chunks[0].t_ready - timeline.t_request)
     own = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + batch.keys), flow_cache=False)
-    pieces = [own.push(codes[i : min(i + chunk, num_tokens)]) for i in range(0, num_tokens, chunk)]
+    pieces = [own.push(codes[i:j]) for i, j in ((0, 8), (8, 13), (13, 17))]
     assert torch.equal(audio[0], torch.cat([*pieces, own.finish()]))

@@ -89,10 +89,11 @@ def streams(engine: Engine, p: dict, speech: Callable[[int], Speech], spt: int, 
     runs = []
     for i in range(p["warmup"] + p["runs"]):
         g = torch.Generator(engine.device).manual_seed(p["seed"] + i)
+        request = speech(batch)
         timeline, audio = run_stream(
-            engine, speech(batch), prompt, p["num_tokens"], p["chunk_tokens"], ids, clock, sampling, g, overlap, first_alone
+            engine, request, prompt, p["num_tokens"], p["chunk_tokens"], ids, clock, sampling, g, overlap, first_alone
         )
-        problems = check_stream(timeline, audio, p["num_tokens"], p["chunk_tokens"], spt)
+        problems = check_stream(timeline, audio, p["num_tokens"], p["chunk_tokens"], spt, request.first_codes)
         if problems:
             raise SystemExit(f"benchmark FAILED ({batch} streams): " + "; ".join(problems))
         if i >= p["warmup"]:
@@ -195,6 +196,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         batch = CodecBatch(decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs)
         said = {
             "kind": "codec",
+            "first_codes": batch.first_codes,
             "preset": t.preset,
             "dtype": t.dtype,
             "weights": t.weights or "random",
@@ -230,6 +232,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
 
     said = {
         "kind": "stand-in",
+        "first_codes": 1,
         "vocoder": vinfo.__dict__ | {"compiled": compiled},
         "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder",
     }

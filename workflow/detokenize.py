@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -43,9 +43,21 @@ Mel = Callable[[torch.Tensor, int], torch.Tensor]  # (codes [B, K], codes before
 Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel [B, M, F] -> waveform [B, 1, F x hop]
 
 
+def chunk_due(sent: int, pending: int, chunk: int, first_codes: int = 1) -> bool:
+    """Whether a stream's `pending` codes after the `sent` already chunked make its next chunk: the
+    first once the detokenizer can make PCM of them (`first_codes`, at least `chunk`), then every
+    `chunk` codes. So each chunk makes PCM as it comes: the codec decoder's first PCM needs 8 codes
+    (a chunk and its lookahead), and its chunks end at 8, 13, 18 ..., not at 5 (no PCM), 10, 15 ...,
+    each of which would wait 2 codes for the lookahead."""
+    return pending >= (max(chunk, first_codes) if sent == 0 else chunk)
+
+
 class Speech(Protocol):
     """One request's codes -> PCM, in two stages: `mel(codes [B, K], done, last)` (the K codes after
-    `done` earlier ones; last: none follow), then `pcm(that)`: the PCM [B, n] that became final."""
+    `done` earlier ones; last: none follow), then `pcm(that)`: the PCM [B, n] that became final.
+    `first_codes`: the codes it needs before its first PCM (see `chunk_due`)."""
+
+    first_codes: int
 
     def mel(self, codes: torch.Tensor, done: int, last: bool) -> object: ...
 
@@ -87,6 +99,7 @@ class StandIn:
     vocoder: Vocoder
     samples_per_token: int
     spare: torch.Tensor | None = None  # [B, n] vocoded, not yet emitted (made where the first PCM is)
+    first_codes: ClassVar[int] = 1  # each code makes its own PCM
 
     def mel(self, codes: torch.Tensor, done: int, last: bool) -> tuple[torch.Tensor, int]:
         return self.table(codes, done), codes.shape[1]

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from workflow import roofline
-from workflow.detokenize import Chunk, Clock, Speech, Stamp, detokenizer
+from workflow.detokenize import Chunk, Clock, Speech, Stamp, chunk_due, detokenizer
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling, generate
 from workflow.vocoder import SECONDS_PER_TOKEN
 
-__all__ = ["Chunk", "Timeline", "audio_seconds", "check_stream", "device_clock", "run_stream"]
+__all__ = ["Chunk", "Timeline", "audio_seconds", "check_stream", "chunks_of", "device_clock", "run_stream"]
 GREEDY = Sampling(greedy=True)
 
 
@@ -138,7 +138,7 @@ def run_stream(
         if all(audio_mode):
             codes.append(tokens[:, 1])
         pending, last = len(codes) - done, step == num_tokens - 1
-        if pending == chunk_tokens or (last and pending):
+        if chunk_due(done, pending, chunk_tokens, speech.first_codes) or (last and pending):
             detok.submit(torch.stack(codes[done:], dim=1), done, tokens_at[-1], last)
             done += pending
         resumed_at.append(detok.stamp())
@@ -151,12 +151,18 @@ def run_stream(
     return timeline, audio
 
 
+def chunks_of(num_tokens: int, chunk_tokens: int, first_codes: int = 1) -> int:
+    """The chunks a stream of `num_tokens` codes is cut into (`detokenize.chunk_due`)."""
+    first = max(chunk_tokens, first_codes)
+    return 1 + max(0, math.ceil((num_tokens - first) / chunk_tokens))
+
+
 def check_stream(
-    timeline: Timeline, audio: torch.Tensor, num_tokens: int, chunk_tokens: int, samples_per_token: int
+    timeline: Timeline, audio: torch.Tensor, num_tokens: int, chunk_tokens: int, samples_per_token: int, first_codes: int = 1
 ) -> list[str]:
     """The fail-closed checks: every chunk arrived, audio finite and not silent, right length."""
     problems = []
-    want_chunks = math.ceil(num_tokens / chunk_tokens)
+    want_chunks = chunks_of(num_tokens, chunk_tokens, first_codes)
     if len(timeline.chunks) != want_chunks:
         problems.append(f"{len(timeline.chunks)} chunks arrived, expected {want_chunks}")
     if sum(c.tokens for c in timeline.chunks) != num_tokens:

@@ -167,6 +167,7 @@ class CodecSpeech:
     def __init__(self, batch: CodecBatch, rows: int) -> None:
         self.batch = batch
         self.keys = [batch.new_key() for _ in range(rows)]
+        self.first_codes = batch.first_codes
 
     def mel(self, codes: Tensor, done: int, last: bool) -> Work:
         return self.batch.flows([Piece(k, row, done, last) for k, row in zip(self.keys, codes.cpu(), strict=True)])

@@ -14,11 +14,11 @@ One thread owns the engine. Each `iterate`:
    failed (non-finite logits), freeing their slots at once;
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
    (`need_text` per slot), each at its own position;
-5. while the device decodes, sends the streams' finished chunks (K codes each, a `Piece`: its
-   stream, the codes before it, whether it is the last) to the detokenizer, as one batch across
-   streams. The detokenizer returns at once (on CUDA it runs on a side stream, beside decoding)
-   with a `Ready` and the PCM samples each chunk made final (a detokenizer with lookahead makes
-   none for a stream's first codes): each chunk is stamped ready when its PCM is, read once known
+5. while the device decodes, sends the streams' finished chunks (K codes each, the first as many
+   as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`: its stream, the
+   codes before it, whether it is the last) to the detokenizer, as one batch across streams. The
+   detokenizer returns at once (on CUDA it runs on a side stream, beside decoding) with a `Ready`
+   and the PCM samples each chunk made final: each chunk is stamped ready when its PCM is, read once known
    (`flush` waits for all). While `detokenize_batches` batches are still running, new chunks wait
    and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
    side stream would only grow. With `first_chunks_apart`, streams' chunks up to their first PCM
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workflow.detokenize import Piece, Ready
+from workflow.detokenize import Piece, Ready, chunk_due
 from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
@@ -107,6 +107,7 @@ class Scheduler:
         self.engine, self.ids, self.cfg = engine, ids, cfg
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
+        self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
@@ -189,10 +190,9 @@ class Scheduler:
         """Streams' chunks up to their first PCM (the detokenizer's `first_codes`) at once, on the
         urgent lane (`first_chunks_apart`); every other waiting chunk in one batch, if `due`."""
         if self.cfg.first_chunks_apart:
-            before = getattr(self.detokenize, "first_codes", 1)
-            first = [c for c in self.outbox if c[2] < before]
+            first = [c for c in self.outbox if c[2] < self.first_codes]
             if first:
-                self.outbox = [c for c in self.outbox if c[2] >= before]
+                self.outbox = [c for c in self.outbox if c[2] >= self.first_codes]
                 self._batch(first, urgent=True)
         if due and self.outbox:
             chunks, self.outbox = self.outbox, []
@@ -311,7 +311,8 @@ class Scheduler:
             req = self.streams[x]
             sent = sum(req.chunk_codes)  # made, sent or not
             pending, last = len(req.codes) - sent, self._finished(req)
-            if pending >= self.cfg.chunk_tokens or (last and (pending or req.chunk_codes)):  # an end after a whole chunk: empty
+            due = chunk_due(sent, pending, self.cfg.chunk_tokens, self.first_codes)
+            if due or (last and (pending or req.chunk_codes)):  # an end after a whole chunk: empty
                 out.append((req, req.codes[sent:], sent, last))
         return out
 
