@@ -264,6 +264,20 @@ class CausalConditionalDecoder(nn.Module):
         own = {k[len(PREFIX) :]: v for k, v in flow_state.items() if k.startswith(PREFIX)}
         self.load_state_dict(own, strict=strict)
 
+    def inputs(
+        self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor | None, cond: Tensor | None, streaming: bool, past: Past | None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """A pass's time embedding [B, 4C] and its input's parts [B, C_i, T] in the order its first layer
+        reads them (x, mu, spks broadcast over time, cond); a past only with chunk masks."""
+        if past is not None and not (streaming and self.chunk_frames > 0):
+            raise ValueError("a past needs chunk masks (streaming with a chunk-trained estimator)")
+        parts = [x, mu]
+        if spks is not None:
+            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        if cond is not None:
+            parts.append(cond)
+        return self.time_mlp(sinusoidal(t, self.cfg.in_channels)), parts
+
     def forward(
         self,
         x: Tensor,
@@ -278,14 +292,7 @@ class CausalConditionalDecoder(nn.Module):
         """x, mu, cond [B, 80, T]; mask [B, 1, T]; t [B]; spks [B, 80] -> velocity [B, 80, T] (zero where masked).
         With a past (streaming only: offline attention would read later frames), the T frames come after its
         frames, which it supplies, and it is extended by them."""
-        if past is not None and not (streaming and self.chunk_frames > 0):
-            raise ValueError("a past needs chunk masks (streaming with a chunk-trained estimator)")
-        temb = self.time_mlp(sinusoidal(t, self.cfg.in_channels))
-        parts = [x, mu]
-        if spks is not None:
-            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        if cond is not None:
-            parts.append(cond)
+        temb, parts = self.inputs(x, mu, t, spks, cond, streaming, past)
         h = torch.cat(parts, dim=1)
         allowed = attention_mask(mask, self.chunk_frames if streaming else 0, past.frames if past else 0)
 

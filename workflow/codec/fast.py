@@ -34,7 +34,6 @@ from workflow.codec.estimator import (
     CausalResnetBlock1D,
     Past,
     attention_mask,
-    sinusoidal,
 )
 
 ALIGN = 8  # elements: the memory-efficient attention kernel's alignment of its mask's rows
@@ -112,14 +111,8 @@ class FastEstimator:
     ) -> Tensor:
         """x, mu, cond [B, 80, T]; mask [B, 1, T], right-padded; t [B]; spks [B, 80] -> velocity [B, 80, T]."""
         est = self.est
-        if past is not None and not (streaming and est.chunk_frames > 0):
-            raise ValueError("a past needs chunk masks (streaming with a chunk-trained estimator)")
-        temb = F.mish(est.time_mlp(sinusoidal(t, est.cfg.in_channels)))
-        parts = [x, mu]
-        if spks is not None:
-            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        if cond is not None:
-            parts.append(cond)
+        temb, parts = est.inputs(x, mu, t, spks, cond, streaming, past)
+        temb = F.mish(temb)
         h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)  # [B, T, in_channels]
         chunk = est.chunk_frames if streaming else 0
         bias = attention_bias(mask, chunk, past.frames if past else 0, h.dtype)
