@@ -264,7 +264,7 @@ def test_the_stand_in_detokenizer_is_said_to_be_one(fp8_chain):
     in benchmark.json and .md, its load served too; and no codec decoder figure claimed."""
     out = fp8_chain.workdir / "results" / "tiny" / "torch-fp8" / "benchmark"
     bench = json.loads((out / "benchmark.json").read_text())
-    assert bench["speech"] == {"kind": "stand-in"} and bench["mel_stage"].startswith("STAND-IN")
+    assert bench["speech"] == {"kind": "stand-in", "first_codes": 1} and bench["mel_stage"].startswith("STAND-IN")
     assert bench["vocoder"]["weights"] == "random" and "ttfa_ms_p50_codec" not in bench["summary"]
     assert "Mel stage: STAND-IN" in (out / "benchmark.md").read_text()
     assert all(lv["served"] == lv["requests"] > 0 for lv in bench["load"]["levels"])
