@@ -122,10 +122,11 @@ class CodecDecoder(nn.Module):
 
     def __init__(self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False) -> None:
         super().__init__()
-        self.official, self.compiled = official, compiled
+        self.official = official
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)
+        self.fast = FastEstimator(self.estimator, compiled)  # reads the estimator's weights at each call
         self.noise = FixedNoise(cfg.solver.noise_frames, cfg.solver.noise_seed, cfg.encoder.mel)
         self.hift = HiFT(cfg.hift)
         self.source = NsfSource(self.hift)
@@ -134,7 +135,12 @@ class CodecDecoder(nn.Module):
     def velocity(self) -> Estimator:
         """What the solves call: the estimator's fast pass (fast.py), or its own forward if `official`.
         A `Past` is made and read by the same one."""
-        return self.estimator if self.official else FastEstimator(self.estimator, self.compiled)
+        return self.estimator if self.official else self.fast
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the fast pass runs its blocks compiled."""
+        return self.fast.compiled
 
     @property
     def stride(self) -> int:

@@ -86,9 +86,6 @@ def transformer(b: nn.Module, h: Tensor, bias: Tensor, past: Past | None = None)
     return b(h, bias[:, 0], past)
 
 
-COMPILED = {"resnet": torch.compile(resnet, dynamic=True), "transformer": torch.compile(transformer, dynamic=True)}
-
-
 class FastEstimator:
     """Called like the estimator (solver.Estimator), with the same result: see the module docstring.
 
@@ -98,8 +95,12 @@ class FastEstimator:
     eager (it is written as they go)."""
 
     def __init__(self, est: CausalConditionalDecoder, compiled: bool = False) -> None:
-        self.est = est
-        self.compiled = compiled
+        self.est = est  # wrapped here, not at import: importing torch.compile's machinery costs seconds
+        self.blocks = (torch.compile(resnet, dynamic=True), torch.compile(transformer, dynamic=True)) if compiled else None
+
+    @property
+    def compiled(self) -> bool:
+        return self.blocks is not None
 
     def __call__(
         self,
@@ -120,8 +121,7 @@ class FastEstimator:
         chunk = est.chunk_frames if streaming else 0
         bias = attention_bias(mask, chunk, past.frames if past else 0, h.dtype)
 
-        fused = self.compiled and past is None
-        res, tb = (COMPILED["resnet"], COMPILED["transformer"]) if fused else (resnet, transformer)
+        res, tb = self.blocks if self.blocks is not None and past is None else (resnet, transformer)
 
         def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             for b in blocks:
