@@ -90,14 +90,16 @@ def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
     assert out[0].numel() == batch.first_codes * SPC and not batch.streams
 
 
-def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tiny_engine_dir, decoder, voice):
+@pytest.mark.parametrize("slots", [0, 1])
+def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tiny_engine_dir, decoder, voice, slots):
     """The load benchmark with the codec decoder as serving's detokenizer (the CPU: in line): every
     request served, its PCM whole (codes x 1920 samples), its first chunk as many codes as the first
     PCM needs (11 here), so its time to first audio the first chunk's, and no decoder state left
-    behind; `warm` leaves none either."""
+    behind; `warm` leaves none either. With one flow slot for two users, some streams solve new
+    frames only and others re-run every frame, in the same batches."""
     engine = load_engine(tiny_engine_dir)
     ids = Ids.of(engine.spec)
-    detok = CodecLanes(CodecBatch(decoder, voice), torch.device("cpu"), time.perf_counter)
+    detok = CodecLanes(CodecBatch(decoder, voice, slots=slots, max_codes=20), torch.device("cpu"), time.perf_counter)
     assert detok.sample_rate == 24000 and detok.first_codes == 11 and not detok.lanes
     assert detok.warm(2, 5, 20) == 2 * 2 and not detok.batch.streams  # two pieces for each of buckets 1 and 2
     cfg = load.LoadConfig(closed=(2,), duration_s=1.0, reply_seconds=(1.0, 1.6), prompt_len=24, slots=4)
@@ -115,6 +117,7 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     finally:
         load.run_level = real
     assert out["levels"][0]["served"] == out["levels"][0]["requests"] > 0 and not detok.batch.streams
+    assert not detok.batch.slot_of and (not slots or len(detok.batch.slots.free) == slots)
     for req in served:
         assert req.error is None and sum(req.chunk_samples) == len(req.codes) * SPC
         assert req.chunk_codes[0] == 11 and all(n == 5 for n in req.chunk_codes[1:-1])  # the first: the first PCM's codes
@@ -123,10 +126,12 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
-def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch):
+@pytest.mark.parametrize("slots", [0, 4])
+def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch, slots):
     """Serving's lanes on CUDA: the flow and HiFT's network replayed from a graph per shape and lane
     (all made ahead by `warm`), a stream's first pieces on the urgent lane and the rest on the other, the
-    host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order.
+    host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order;
+    with flow slots too (each call solving new frames only, its slot written inside the graph).
     TF32 off: the tolerance is float32's."""
     import copy
 
@@ -136,7 +141,8 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     dec.noise.buffer = dec.noise.buffer.to(dev)
     got: dict[int, list[torch.Tensor]] = {}
     lanes = CodecLanes(
-        CodecBatch(dec, voice, bucket=lambda n: 1 << (n - 1).bit_length(), pad_frames=40, graphs=True), dev, time.perf_counter,
+        CodecBatch(dec, voice, bucket=lambda n: 1 << (n - 1).bit_length(), pad_frames=40, graphs=True, slots=slots, max_codes=30),
+        dev, time.perf_counter,
         sink=lambda key, pcm: got.setdefault(key, []).append(pcm),
     )  # fmt: skip
     assert lanes.warm(4, 5, 30) > 0 and not lanes.batch.streams and lanes.lanes
@@ -151,7 +157,7 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
             part = [p for p in pieces if (p.done < lanes.first_codes) == urgent]
             if part:
                 readies.append(lanes(part, urgent)[0])
-    assert all(r(True) > 0 for r in readies) and not lanes.batch.streams
+    assert all(r(True) > 0 for r in readies) and not lanes.batch.streams and not lanes.batch.slot_of
     for k, n in lengths.items():
         own = alone(dec, voice, k, codes[k].to(dev), chunk)
         mine = torch.cat(got[k])

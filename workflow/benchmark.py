@@ -28,6 +28,7 @@ import torch
 from workflow import artifacts, report, roofline, traffic
 from workflow.codec import timing as codec_timing
 from workflow.codec.batch import CodecBatch, CodecLanes, CodecSpeech
+from workflow.codec.slots import FlowSlots
 from workflow.codec.timing import CodecTiming
 from workflow.detokenize import Batched, Lanes, Speech, StandIn, overlaps
 from workflow.engines import check_built_from, load_engine
@@ -179,11 +180,13 @@ def first_codes(engine: Engine, prompt: torch.Tensor, ids: Ids) -> Callable[[int
 
 def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tuple:
     """The detokenizer `benchmark.speech` names, made once: (a request's Speech for B rows, its PCM
-    samples per code, serving's detokenizer (made when called), what benchmark.json says of it).
+    samples per code, serving's detokenizer (made when called), what benchmark.json says of it, a
+    call that gives back what it holds between phases).
 
     codec: MOSS-Speech's codec decoder of `benchmark.codec`'s shape (random weights, or its
-    checkpoint), re-running every frame each call; on CUDA each solve and HiFT's network from a
-    graph per shape, serving's batches padded to batch_bucket rows. stand-in: a code->mel table,
+    checkpoint), its streams in `slots` flow slots (the rest re-running every frame each call); on
+    CUDA each flow call and HiFT's network from a graph per shape, serving's batches padded to
+    batch_bucket rows. stand-in: a code->mel table,
     then BigVGAN-v2 (`benchmark.vocoder`), whose mel does not match the decoder's (docs/codec.md)."""
     cuda = device.type == "cuda"
     bucket = functools.partial(batch_bucket, max_batch=1 << 16)
@@ -193,7 +196,18 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
         graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
-        batch = CodecBatch(decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs)
+        longest = round(LoadConfig.from_dict(p["load"]).reply_seconds[1] / SECONDS_PER_TOKEN) if p.get("load") else 0
+        batch = CodecBatch(
+            decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
+            slots=t.slots, max_codes=max(p["num_tokens"], longest),
+        )  # fmt: skip
+        slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames) if t.slots else 0
+        cached = (
+            f"each call solves only its new frames against its stream's flow slot ({t.slots} slots, "
+            f"{slot_bytes / 2**30:.1f} GiB; streams past them re-run every frame)"
+            if t.slots
+            else "every flow call re-runs the front end and the ODE over all frames so far"
+        )
         said = {
             "kind": "codec",
             "first_codes": batch.first_codes,
@@ -203,9 +217,11 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             "prompt_codes": t.prompt_codes,
             "graphs": graphs,
             "compiled": decoder.compiled,
+            "slots": t.slots,
+            "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
-            f"{t.dtype}; HiFT float32): every flow call re-runs the front end and the {decoder.cfg.solver.steps}-step ODE "
-            f"over all frames so far, the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
+            f"{t.dtype}; HiFT float32, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
+            f"the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
             + (", the flow and HiFT's network from CUDA graphs" if graphs else ""),
         }
         return (
@@ -213,6 +229,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             decoder.samples_per_code,
             lambda: CodecLanes(batch, device, time.perf_counter),
             said,
+            batch.release,
         )
     voc = p["vocoder"]
     model, vinfo = load_bigvgan(voc["name"], voc.get("weights"), device, dtype, voc.get("fused_kernel", False))
@@ -236,7 +253,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         "vocoder": vinfo.__dict__ | {"compiled": compiled},
         "mel_stage": "STAND-IN (fixed random code->mel table), not MOSS-Speech's flow-matching decoder",
     }
-    return (lambda n: StandIn(mel, vocode, spt)), spt, serving, said
+    return (lambda n: StandIn(mel, vocode, spt)), spt, serving, said, lambda: None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     device, spec = torch.device(meta["options"].device), ModelSpec(**meta["spec"])
     ids = Ids.of(spec)
     dtype = getattr(torch, meta["options"].dtype)
-    speech, spt, serving, b_speech = speech_of(p, device, dtype, ids)
+    speech, spt, serving, b_speech, idle = speech_of(p, device, dtype, ids)
 
     def measure(name: str, system: Engine) -> None:
         reply_len = p["num_tokens"] if name == "engine" else 0  # the eager baseline defers nothing: minutes saved
@@ -291,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "(CPU: float32) matmul rate. FP8 prefill could run twice the bf16 rate: its floor here is the bf16 one.",
     }
     if p.get("codec"):  # the codec's stage costs, before the load: its timing graphs hold tens of GB until freed
+        idle()  # and the flow slots' tens of GB go meanwhile
         prompt = traffic.speech_prompt(1, p["prompt_len"], ids, seed=0)
         b["codec"] = codec_timing.measure(CodecTiming.from_dict(p["codec"]), device, first_codes(engine, prompt, ids))
         if device.type == "cuda":

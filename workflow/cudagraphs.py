@@ -48,6 +48,13 @@ class Graphs:
             buffer.copy_(a)
         return self.run(key, lambda: fn(*static))
 
+    def drop(self, which: Callable[[Hashable], bool]) -> None:
+        """Forget the graphs (and their input buffers) whose keys `which` picks: those that read memory
+        about to be freed. Their memory stays in the pool, for the graphs captured next."""
+        for key in [k for k in self.graphs if which(k)]:
+            del self.graphs[key]
+            self.inputs.pop(key, None)
+
     def run(self, key: Hashable, fn: Callable[[], T]) -> T:
         """fn() replayed from the graph captured for `key` (captured now if new). fn runs three
         times on a new key (warm-up, capture, replay): whatever it writes must be the same each

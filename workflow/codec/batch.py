@@ -1,9 +1,12 @@
 """Many streams through the codec decoder at once: serving's detokenizer (`CodecLanes`) and a
 request of B rows (`CodecSpeech`), both on `CodecBatch`.
 
-Each stream is a `CodecStream` (stream.py) in one voice, re-running every frame each call (no flow
-cache: its past would hold ~2.3 MB a frame a stream). A step adds every stream's new codes, takes
-the flow calls now due (one per `chunk` codes, and a stream's last), and runs them together:
+Each stream is a `CodecStream` (stream.py) in one voice. With `slots` (slots.py: the flow cache in
+fixed buffers, ~2.3 MB a frame a stream at the true shape) a stream holds a slot while it speaks and
+each of its calls solves only its new frames; a stream that finds every slot taken, or a batch with
+no slots, re-runs every frame each call. A step adds every stream's new codes, takes the flow calls
+now due (one per `chunk` codes, and a stream's last), and runs them together, the slotted streams'
+and the others' apart:
 
 - the flow: one front end over every call's codes, the rows right-padded, each with its own length
   and lookahead context, then one solve over their frames. A stream's last call (no context) goes
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.hift import DEFAULT_SEED
+from workflow.codec.slots import FlowSlots
 from workflow.codec.stream import CodecStream, FlowCall
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Clock, Lanes, Piece
@@ -44,11 +48,12 @@ class CodecBatch:
 
     def __init__(
         self, decoder: CodecDecoder, voice: VoicePrompt, bucket: Callable[[int], int] = lambda n: n,
-        pad_frames: int = 0, graphs: bool = False,
+        pad_frames: int = 0, graphs: bool = False, slots: int = 0, max_codes: int = 0,
     ):  # fmt: skip
         """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
         shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
-        from a CUDA graph, per lane."""
+        from a CUDA graph, per lane; slots > 0: the flow cache in fixed buffers (slots.py) for that many
+        streams at once, each of up to `max_codes` codes: a call solves only its new frames."""
         if pad_frames % decoder.stride:
             raise ValueError(f"pad_frames must be a multiple of {decoder.stride} frames (a code's), got {pad_frames}")
         self.decoder, self.voice, self.bucket, self.pad_frames = decoder, voice.to(decoder.device), bucket, pad_frames
@@ -56,6 +61,30 @@ class CodecBatch:
         self.streams: dict[int, CodecStream] = {}
         self.keys = KEYS  # the last key handed out by new_key
         self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
+        self.slot_count, self.slot_frames = slots, 0
+        self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
+        self.slot_of: dict[int, int] = {}  # each stream's slot
+        self.solved: dict[int, int] = {}  # each stream's frames in its slot's past (absolute, the prompt's first)
+        if slots:
+            cf, stride = decoder.cfg.chunk * decoder.stride, decoder.stride
+            base = max(0, (len(self.prompt) - decoder.cfg.encoder.lookahead) * stride // cf * cf)  # prompt_past's
+            self.new_frames = -(-((len(self.prompt) + self.first_codes) * stride - base) // cf) * cf
+            self.slot_frames = (len(self.prompt) + max_codes + self.first_codes) * stride - base + self.new_frames
+
+    def flow_slots(self) -> FlowSlots:
+        """The slots (made at the first call)."""
+        if self.slots is None:
+            self.slots = FlowSlots(self.decoder, self.voice, self.slot_count, self.slot_frames)
+        return self.slots
+
+    def release(self) -> None:
+        """Give the slots' memory back while no stream speaks (the benchmark does, before it times the
+        codec's stages): they are made again, and their graphs captured again, at the next call."""
+        if self.streams:
+            raise RuntimeError(f"{len(self.streams)} streams still speak: their slots cannot go")
+        self.slots = None
+        if self.graphs is not None:
+            self.graphs.drop(lambda key: key[0] == "slots")  # they read and write the slots' pools
 
     @property
     def first_codes(self) -> int:
@@ -72,7 +101,16 @@ class CodecBatch:
         if key not in self.streams:
             g = torch.Generator().manual_seed(DEFAULT_SEED + key)
             self.streams[key] = CodecStream(self.decoder, self.voice, g, flow_cache=False)
+            if self.slot_count and self.flow_slots().free:  # with none free it re-runs every frame
+                self.slot_of[key], self.solved[key] = self.flow_slots().take(), self.flow_slots().base
         return self.streams[key]
+
+    def end(self, key: int) -> None:
+        """A stream is done: its state goes, its slot is free."""
+        del self.streams[key]
+        if key in self.slot_of:
+            self.flow_slots().release(self.slot_of.pop(key))
+            del self.solved[key]
 
     @torch.inference_mode()
     def flows(self, pieces: list[Piece]) -> Work:
@@ -87,13 +125,16 @@ class CodecBatch:
         mels: list[list[Tensor]] = [[] for _ in pieces]
         for r in range(max(seen.values(), default=0)):
             for finalize in (False, True):
-                batch = [i for i, c in enumerate(calls) if 0 <= r - first[i] < len(c) and c[r - first[i]].finalize == finalize]
-                if batch:
-                    for i, m in zip(batch, self.mel([calls[i][r - first[i]] for i in batch], finalize), strict=True):
-                        mels[i].append(due[i][0].keep(m))
+                now = [i for i, c in enumerate(calls) if 0 <= r - first[i] < len(c) and c[r - first[i]].finalize == finalize]
+                for slotted in (True, False):
+                    batch = [i for i in now if (pieces[i].stream in self.slot_of) == slotted]
+                    if batch:
+                        keys = [pieces[i].stream for i in batch]
+                        for i, m in zip(batch, self.mel([calls[i][r - first[i]] for i in batch], finalize, keys), strict=True):
+                            mels[i].append(due[i][0].keep(m))
         for p in pieces:
             if p.last:
-                del self.streams[p.stream]
+                self.end(p.stream)
         return [(s, m, p.last, f) for (s, p), m, f in zip(due, mels, first, strict=True)]
 
     @torch.inference_mode()
@@ -114,8 +155,10 @@ class CodecBatch:
         return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, *_) in zip(pcm, work, strict=True)]
 
     @torch.inference_mode()  # also when warm() calls it: no autograd graph holding every step's activations
-    def mel(self, calls: list[FlowCall], finalize: bool) -> list[Tensor]:
-        """The new frames [mels, n] of streaming calls, all final or none (the same lookahead)."""
+    def mel(self, calls: list[FlowCall], finalize: bool, keys: list[int] | None = None) -> list[Tensor]:
+        """The new frames [mels, n] of streaming calls, all final or none (the same lookahead), of the
+        streams `keys`: in their slots if they have them, else re-running every frame. keys None: calls
+        of no stream (`CodecLanes.warm`'s), in the scratch rows with slots."""
         dec, la, stride = self.decoder, self.decoder.cfg.encoder.lookahead, self.decoder.stride
         dev, n = dec.device, self.bucket(len(calls))
         rows = [self.prompt + c.codes for c in calls]
@@ -128,6 +171,8 @@ class CodecBatch:
         args = [tokens, torch.tensor([len(b) for b in bodies])]
         if not finalize:
             args.append(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))))
+        if self.slot_count and all(k in self.slot_of for k in keys or []):
+            return self._solve_new(calls, finalize, keys, bodies, args)
         args = [to_device(dev, a) for a in args]
         flow = functools.partial(dec.rows, self.voice, chunk=dec.cfg.chunk)
         if self.graphs is None:
@@ -137,6 +182,31 @@ class CodecBatch:
             mel = self.graphs.call(key, flow, *args).clone()
         p = self.voice.mel.shape[1]
         return [mel[i, :, p + c.offset * stride : len(bodies[i]) * stride] for i, c in enumerate(calls)]
+
+    def _solve_new(
+        self, calls: list[FlowCall], finalize: bool, keys: list[int] | None, bodies: list[list[int]], args: list[Tensor]
+    ) -> list[Tensor]:
+        """`mel` with slots: each row solves its frames from its slot's end on (a new stream's from the
+        prompt's past), `new_frames` a row; every row's slot then holds its call's frames."""
+        slots, stride, q = self.flow_slots(), self.decoder.stride, self.new_frames
+        ends = [len(b) * stride for b in bodies]
+        row_slots: list[int | None] = [self.slot_of[k] for k in keys] if keys else []
+        row_slots += [None] * (len(bodies) - len(row_slots))
+        starts = [self.solved[k] for k in keys] if keys else []
+        starts += [max(slots.base, e - q) for e in ends[len(starts) :]]
+        index = slots.index(row_slots, starts, ends, q, args[0].shape[1] * stride)
+        tensors = [to_device(self.decoder.device, a) for a in (*args, *index.tensors())]
+        flow = slots.flow if not finalize else lambda tokens, lengths, *ix: slots.flow(tokens, lengths, None, *ix)
+        if self.graphs is None:
+            mel = flow(*tensors)
+        else:  # as in `mel`: the output lives in the graph's pool
+            key = ("slots", tuple(args[0].shape), finalize, torch.cuda.current_stream(self.decoder.device).priority)
+            mel = self.graphs.call(key, flow, *tensors).clone()
+        slots.advance(row_slots)
+        for k, e in zip(keys or [], ends, strict=False):
+            self.solved[k] = e
+        p = self.voice.mel.shape[1]
+        return [mel[i, :, p + c.offset * stride - starts[i] : ends[i] - starts[i]] for i, c in enumerate(calls)]
 
     def hift(self, calls: list[tuple[CodecStream, Tensor]], final: list[bool]) -> list[Tensor]:
         """HiFT over one call of each stream: sources one by one, the network by frame count."""

@@ -50,6 +50,15 @@ class Past:
     def copy(self) -> Past:
         return Past(self.frames, dict(self.convs), dict(self.keys))
 
+    def tail(self, conv: nn.Module, x: Tensor) -> Tensor:
+        """The `left` input frames before x's [B, T, C] (time-major, as fast.py runs): zeros at the start."""
+        before = self.convs.get(conv)
+        return x.new_zeros(x.shape[0], conv.left, x.shape[2]) if before is None else before
+
+    def keep(self, conv: nn.Module, x: Tensor) -> None:
+        """After a time-major convolution over x [B, left + T, C] (its tail, then its frames): the last `left`."""
+        self.convs[conv] = x[:, -conv.left :]
+
     def nbytes(self) -> int:
         tensors = [*self.convs.values(), *(t for kv in self.keys.values() for t in kv)]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -26,6 +26,9 @@ used by the pass that made it (CodecDecoder runs one or the other)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -42,7 +45,15 @@ from workflow.codec.estimator import (
 ALIGN = 8  # elements: the memory-efficient attention kernel's alignment of its mask's rows
 
 
-def conv(c: nn.Conv1d, x: Tensor, past: Past | None = None) -> Tensor:
+class Tails(Protocol):
+    """Where a causal convolution's left context comes from and goes: a `Past`, or a call's view of the
+    flow slots (slots.py)."""
+
+    def tail(self, conv: nn.Module, x: Tensor) -> Tensor: ...
+    def keep(self, conv: nn.Module, x: Tensor) -> None: ...
+
+
+def conv(c: nn.Conv1d, x: Tensor, past: Tails | None = None) -> Tensor:
     """A Conv1d (causal: left context from `past`, or zeros at the sequence start) over x [B, T, C_in]
     -> [B, T, C_out]."""
     k = c.kernel_size[0]
@@ -50,23 +61,27 @@ def conv(c: nn.Conv1d, x: Tensor, past: Past | None = None) -> Tensor:
         return F.linear(x, c.weight[:, :, 0], c.bias)
     if not isinstance(c, CausalConv1d):
         raise TypeError(f"only causal convolutions run time-major here, not {type(c).__name__}")
-    before = past.convs.get(c) if past is not None else None
     if past is None:
         x = F.pad(x, (0, 0, c.left, 0))
     else:
-        x = torch.cat([x.new_zeros(x.shape[0], c.left, x.shape[2]) if before is None else before, x], dim=1)
-        past.convs[c] = x[:, -c.left :]
-    windows = x.unfold(1, k, 1)  # [B, T, C_in, k]: frame t's window, t - left .. t
+        x = torch.cat([past.tail(c, x), x], dim=1)
+        past.keep(c, x)
+    return windowed(c, x)
+
+
+def windowed(c: nn.Conv1d, x: Tensor) -> Tensor:
+    """A causal convolution over x [B, left + T, C_in], its first `left` frames the left context -> [B, T, C_out]."""
+    windows = x.unfold(1, c.kernel_size[0], 1)  # [B, T, C_in, k]: frame t's window, t - left .. t
     return F.linear(windows.reshape(*windows.shape[:2], -1), c.weight.flatten(1), c.bias)
 
 
-def block(b: CausalBlock1D, x: Tensor, past: Past | None) -> Tensor:
+def block(b: CausalBlock1D, x: Tensor, past: Tails | None) -> Tensor:
     """Causal conv -> LayerNorm over channels -> Mish, [B, T, C]."""
     c, _, norm = b.block
     return F.mish(norm(conv(c, x, past)))
 
 
-def resnet(r: CausalResnetBlock1D, x: Tensor, temb: Tensor, past: Past | None) -> Tensor:
+def resnet(r: CausalResnetBlock1D, x: Tensor, temb: Tensor, past: Tails | None) -> Tensor:
     """temb: Mish of the time embedding [B, 4C] (the time MLP's first op, shared by every resnet)."""
     h = block(r.block1, x, past) + F.linear(temb, r.mlp[1].weight, r.mlp[1].bias)[:, None]
     return block(r.block2, h, past) + conv(r.res_conv, x)
@@ -116,12 +131,18 @@ class FastEstimator:
         """x, mu, cond [B, 80, T]; mask [B, 1, T], right-padded; t [B]; spks [B, 80] -> velocity [B, 80, T]."""
         est = self.est
         temb, parts = est.inputs(x, mu, t, spks, cond, streaming, past)
-        temb = F.mish(temb)
         h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)  # [B, T, in_channels]
-        chunk = est.chunk_frames if streaming else 0
-        bias = attention_bias(mask, chunk, past.frames if past else 0, h.dtype)
-
+        bias = attention_bias(mask, est.chunk_frames if streaming else 0, past.frames if past else 0, h.dtype)
         res, tb = self.blocks if self.blocks is not None and past is None else (resnet, transformer)
+        out = self.unet(h, F.mish(temb), bias, past, res, tb)
+        if past is not None:
+            past.frames += x.shape[-1]
+        return out.transpose(1, 2) * mask
+
+    def unet(self, h: Tensor, temb: Tensor, bias: Tensor, past: Tails | None, res: Callable, tb: Callable) -> Tensor:
+        """The U-Net over h [B, T, in_channels] (temb: the time embedding's Mish) -> [B, T, 80], its
+        resnets and transformer blocks run by `res` and `tb`, each given `past` as it is."""
+        est = self.est
 
         def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             for b in blocks:
@@ -139,7 +160,4 @@ class FastEstimator:
             skip = skips.pop()
             h = torch.cat([h[:, : skip.shape[1]], skip], dim=2)
             h = conv(up, attend(res(r, h, temb, past), blocks), past)
-        h = block(est.final_block, h, past)
-        if past is not None:
-            past.frames += x.shape[-1]
-        return conv(est.final_proj, h).transpose(1, 2) * mask
+        return conv(est.final_proj, block(est.final_block, h, past))

@@ -89,19 +89,24 @@ def solve(
     cfg: SolverConfig,
     streaming: bool = False,
     noise: FixedNoise | None = None,
-    past: Sequence[Past] | None = None,
+    past: Sequence[Past] | Sequence[object] | None = None,
+    x0: Tensor | None = None,
 ) -> Tensor:
     """Integrate the flow from the fixed noise to a mel: mu, cond [B, 80, T]; mask [B, 1, T]; spks [B, 80]
     -> mel [B, 80, T] float32. Every batch row starts from the same noise frames (as the official code).
     With `past` (one per step: each step's estimator pass sees other x), the T frames follow its frames.
+    x0: the starting noise [B, 80, T] when the rows start at different frames (slots.py), else taken here.
 
     cfg_rate 0 skips the unconditional half (its weight is 0, so the result is the same) and halves the work."""
     noise = noise if noise is not None else FixedNoise.for_config(cfg, mel=mu.shape[1])
     b, _, frames = mu.shape
     if past is not None and len(past) != cfg.steps:
         raise ValueError(f"{len(past)} pasts for {cfg.steps} ODE steps")
-    start = past[0].frames if past is not None else 0
-    x = noise.take(frames, mu.device, mu.dtype, start).expand(b, -1, -1)
+    if x0 is None:
+        start = past[0].frames if past is not None else 0  # type: ignore[union-attr]
+        x = noise.take(frames, mu.device, mu.dtype, start).expand(b, -1, -1)
+    else:
+        x = x0
     t_span = cosine_schedule(cfg.steps, mu.device, mu.dtype)
     guided = cfg.cfg_rate != 0
     if guided:  # batch 2B: rows [0, B) conditioned, rows [B, 2B) with mu, spks and cond zeroed

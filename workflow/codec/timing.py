@@ -64,6 +64,7 @@ class CodecTiming:
     seed: int = 0
     graphs: bool = True  # CUDA only
     compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
+    slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
 
     @classmethod
     def from_dict(cls, d: dict) -> CodecTiming:

@@ -1,0 +1,180 @@
+"""The flow cache in fixed buffers (workflow/codec/slots.py): many streams' pasts in preallocated pools,
+each call solving only its streams' new frames. CPU, float32, the tiny shape.
+
+The judge is `CodecStream` alone re-running every frame each call (no cache at all), which
+tests/test_codec_stream.py holds to the one-call decode. With slots the rows of a batch start at
+different frames and read their keys through index pools, so the arithmetic differs in rounding
+only: the PCM is held to 1e-5, as the batch without slots (tests/test_codec_batch.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workflow.codec.batch import CodecBatch
+from workflow.codec.config import CodecConfig
+from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.hift import DEFAULT_SEED
+from workflow.codec.slots import FlowSlots
+from workflow.codec.stream import CodecStream
+from workflow.detokenize import Piece
+
+TINY = CodecConfig.tiny()
+SPC = TINY.encoder.stride * TINY.hift.hop  # 1920 samples a code
+ATOL_PCM = 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def decoder(codec_decoder) -> CodecDecoder:
+    return codec_decoder
+
+
+@pytest.fixture(scope="module")
+def voice() -> VoicePrompt:
+    """12 codes: the prompt's past holds one whole chunk (20 frames), which every stream reads."""
+    g = torch.Generator().manual_seed(1)
+    return VoicePrompt(
+        torch.randint(0, 1000, (12,), generator=g), torch.randn(80, 48, generator=g), torch.randn(192, generator=g)
+    )
+
+
+def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tensor, chunk: int) -> torch.Tensor:
+    s = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + key), flow_cache=False)
+    return torch.cat([s.push(codes[i : i + chunk]) for i in range(0, len(codes), chunk)] + [s.finish()])
+
+
+def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
+    """Five streams join at different steps and end at different lengths (one right after a whole chunk,
+    its last piece empty), on three slots: the fifth joins after two have ended and takes a slot they
+    freed. Some batches hold two chunks of a stream (chunks that waited), the rows are padded with one
+    more and the frames to a multiple of 16. Each stream's PCM is its own alone, whole, and every slot
+    is free at the end."""
+    g = torch.Generator().manual_seed(2)
+    lengths, joins, chunk = {1: 23, 2: 31, 3: 12, 4: 15, 5: 14}, {1: 0, 2: 6, 3: 2, 4: 1, 5: 5}, 5
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1, pad_frames=16, slots=3, max_codes=40)
+    assert batch.slots is None and batch.flow_slots().base == 20  # made at the first call
+    got: dict[int, list[torch.Tensor]] = {k: [] for k in lengths}
+    done, ended, step, reused = dict.fromkeys(lengths, 0), set(), 0, False
+    while len(ended) < len(lengths):
+        pieces = []
+        for k, n in lengths.items():
+            for _ in range(2 if step in (3, 5) else 1):
+                if step < joins[k] or k in ended:
+                    continue
+                take = codes[k][done[k] : done[k] + chunk]
+                last = done[k] + len(take) >= n and (len(take) < chunk or (k == 4 and len(take) == 0))
+                if len(take) or last:
+                    pieces.append(Piece(k, take, done[k], last))
+                    done[k] += len(take)
+                if last:
+                    ended.add(k)
+        pcm = batch.vocodes(batch.flows(pieces))
+        reused |= 5 in batch.slot_of and len(ended - {5}) >= 2
+        for p, x in zip(pieces, pcm, strict=True):
+            got[p.stream].append(x)
+        step += 1
+    assert reused and not batch.streams and not batch.slot_of and sorted(batch.slots.free) == [0, 1, 2]
+    assert batch.slots.nbytes() == FlowSlots.size(decoder, 3, batch.slot_frames)
+    for k, n in lengths.items():
+        mine, own = torch.cat(got[k]), alone(decoder, voice, k, codes[k], chunk)
+        assert mine.shape == own.shape == (n * SPC,)
+        assert (mine - own).abs().max() <= ATOL_PCM, k
+    batch.release()  # no stream speaks: the slots go, and come back with the next stream
+    assert batch.slots is None
+    pcm = batch.vocodes(batch.flows([Piece(9, codes[1], 0, True)]))[0]
+    assert (pcm - alone(decoder, voice, 9, codes[1], 23)).abs().max() <= ATOL_PCM and batch.slots is not None
+    batch.flows([Piece(10, codes[1][:5], 0, False)])
+    with pytest.raises(RuntimeError, match="1 streams still speak"):
+        batch.release()
+
+
+def call_rows(decoder: CodecDecoder, voice: VoicePrompt, codes: list[int], keys: int):
+    """One first call of `codes` after the prompt: tokens, lengths and lookahead context of one row."""
+    la = decoder.cfg.encoder.lookahead
+    row = voice.codes.tolist() + codes
+    tokens = torch.zeros(1, keys // decoder.stride, dtype=torch.long)
+    tokens[0, : len(row) - la] = torch.tensor(row[:-la])
+    return tokens, torch.tensor([len(row) - la]), torch.tensor([row[-la:]]), (len(row) - la) * decoder.stride
+
+
+def test_a_call_run_again_gives_the_same_frames_and_the_next_call_reads_what_it_wrote(decoder, voice):
+    """A CUDA graph runs a call three times before it is replayed (warm-up, capture): run again, a call
+    reads the convolution tails it read the first time (a slot has two, by parity), so it gives the same
+    frames; the next call, after `advance`, reads the tails the first wrote and gives the frames the
+    stream gives alone (its second call's)."""
+    slots = FlowSlots(decoder, voice, slots=1, frames=120)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 1000, (16,), generator=g).tolist()  # the first hop (8 codes with the pad) + 3, then 5
+    own = CodecStream(decoder, voice, flow_cache=False, keep_mel=True)
+    own.flow(codes)
+    s = slots.take()
+    with torch.inference_mode():
+        start = slots.base
+        for n in (11, 16):
+            tokens, lengths, context, end = call_rows(decoder, voice, codes[:n], 120)
+            ix = slots.index([s], [start], [end], 60, 120).tensors()
+            once, again = slots.flow(tokens, lengths, context, *ix), slots.flow(tokens, lengths, context, *ix)
+            assert torch.equal(once, again)
+            slots.advance([s])
+            new = once[0, :, max(start, voice.codes.numel() * decoder.stride) - start : end - start]
+            assert torch.allclose(new, own.mels.pop(0), atol=1e-5, rtol=0)
+            start = end
+    assert not own.mels
+
+
+def test_slots_refuse_what_they_cannot_hold(decoder, voice):
+    """A stream past the slots' count, or a call past a slot's frames, is refused with a one-line reason."""
+    slots = FlowSlots(decoder, voice, slots=1, frames=30)
+    slots.take()
+    with pytest.raises(RuntimeError, match="all 1 flow slots are taken"):
+        slots.take()
+    with pytest.raises(ValueError, match="does not fit"):
+        slots.index([0], [60], [80], 20, 80)
+    with pytest.raises(ValueError, match="at least one slot"):
+        FlowSlots(decoder, voice, slots=0, frames=30)
+
+
+def batch_rows(decoder: CodecDecoder, voice: VoicePrompt, calls: list[list[int]]):
+    """Non-final flow calls of several streams in one batch (each its codes so far): tokens, lengths,
+    lookahead context, and each row's end frame."""
+    la, p = decoder.cfg.encoder.lookahead, voice.codes.tolist()
+    bodies = [p + c[:-la] for c in calls]
+    tokens = torch.zeros(len(calls), max(map(len, bodies)), dtype=torch.long)
+    for i, b in enumerate(bodies):
+        tokens[i, : len(b)] = torch.tensor(b)
+    context = torch.tensor([c[-la:] for c in calls])
+    return tokens, torch.tensor([len(b) for b in bodies]), context, [len(b) * decoder.stride for b in bodies]
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
+)
+def test_the_compiled_slot_pass_gives_the_eager_ones_frames(decoder, voice, device, monkeypatch):
+    """With the decoder's blocks compiled (dynamic shapes), the slot pass runs its resnets and the
+    transformer blocks' parts around attention compiled: the same frames as eager, for a batch whose
+    rows start at different frames (a stream's second call beside another's first). TF32 off."""
+    import copy
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    eager = copy.deepcopy(decoder).to(device)
+    compiled = CodecDecoder(decoder.cfg, compiled=True).eval().to(device)
+    compiled.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(4)
+    a, b, c = (torch.randint(0, 1000, (16,), generator=g).tolist() for _ in range(3))
+    got = []
+    for dec in (eager, compiled):
+        slots, mels = FlowSlots(dec, voice, slots=3, frames=120), []
+        with torch.inference_mode():
+            for calls, rows, starts in (([a[:11], b[:11]], [0, 1], [20, 20]), ([a, c[:11]], [0, 2], [80, 20])):
+                tokens, lengths, context, ends = batch_rows(dec, voice, calls)
+                ix = slots.index(rows, starts, ends, 60, tokens.shape[1] * dec.stride).tensors()
+                mel = slots.flow(*(t.to(device) for t in (tokens, lengths, context, *ix)))
+                slots.advance(rows)
+                mels += [mel[i, :, : e - s] for i, (s, e) in enumerate(zip(starts, ends, strict=True))]
+        got.append(mels)
+    assert compiled.compiled and not eager.compiled
+    for want, mine in zip(*got, strict=True):
+        torch.testing.assert_close(mine, want, rtol=0, atol=1e-5)

@@ -1,0 +1,279 @@
+"""The flow cache in fixed buffers: many streams' pasts in preallocated pools, written in place, so
+that one batched call (and one CUDA graph per shape) solves only each stream's new frames.
+
+A stream's `Past` (estimator.py) holds what the ODE's passes made of its earlier frames, but as
+tensors that each call copies and grows, one stream at a time. Here, per ODE step:
+
+- keys and values, per attention: one pool [rows x frames, 2, heads, head_dim], flat, so that any
+  frame of any row is one index. The rows: the voice prompt's (its past, `CodecDecoder.prompt_past`,
+  read by every stream: the prompt's frames are stored once), a scratch row (what padding rows
+  write), and each slot's (its stream's frames from the end of the prompt's past on);
+- each causal convolution's last `left` input frames: one pool [rows, width] for all convolutions,
+  two rows a slot: a call reads one and writes the other, so that a call run again (a CUDA graph's
+  warm-up and capture run it three times) reads what it read the first time.
+
+Every row is two rows with guidance (the conditioned and the unconditioned pass). A call gives each
+of its rows the flat index of every key frame (the prompt's past, then its slot's frames) and of its
+new frames; a pass writes the new keys and values, then attends over the gathered keys under each
+row's chunk mask, shifted by the row's first frame. Frames a call writes past its row's valid end
+(its padding) lie after every frame the row has: masked until the next call writes them over.
+
+Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x keys and values of
+512 values x 2 rows is ~2.3 MB a frame a slot (docs/codec.md, "The flow cache")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
+from workflow.codec.fast import ALIGN, conv, windowed
+from workflow.codec.solver import solve
+
+
+@dataclass(frozen=True)
+class SlotIndex:
+    """One batched call's rows (R = rows x 2 with guidance, the conditioned rows first), made on the
+    host: each row's first frame solved and how many of its Q new frames count, the flat index of its
+    K key frames and of its new frames in the key pools, the convolution-tail rows it reads and writes."""
+
+    starts: Tensor  # [R]
+    valid: Tensor  # [R]
+    keys: Tensor  # [R, K]
+    writes: Tensor  # [R, Q]
+    tails_in: Tensor  # [R]
+    tails_out: Tensor  # [R]
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.starts, self.valid, self.keys, self.writes, self.tails_in, self.tails_out
+
+
+class FlowSlots:
+    """`slots` streams' flow pasts of up to `frames` frames each (after the prompt's past) in one voice."""
+
+    def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, slots: int, frames: int) -> None:
+        cfg, est = decoder.cfg, decoder.estimator
+        if slots < 1 or frames < 1:
+            raise ValueError(f"flow slots: need at least one slot of one frame, got {slots} of {frames}")
+        self.decoder, self.prompt = decoder, prompt.to(decoder.device)
+        past = decoder.prompt_past(self.prompt)
+        self.base = past[0].frames  # the prompt's past: every stream's first call starts there
+        self.halves = 2 if cfg.solver.cfg_rate != 0 else 1
+        self.frames = max(frames, self.base)  # a row's frames (the prompt's row holds its past)
+        self.count = slots
+        self.free = list(range(slots))
+        self.parity = [0] * slots
+        self.attn = [b.attn1 for b in est.transformer_blocks()]
+        self.convs = [m for m in est.modules() if isinstance(m, CausalConv1d)]
+        self.width = {c: c.left * c.in_channels for c in self.convs}
+        self.offset, w = {}, 0
+        for c in self.convs:
+            self.offset[c], w = w, w + self.width[c]
+        dev, dtype = decoder.device, est.final_proj.weight.dtype
+        h, heads, d = self.halves, est.cfg.heads, est.cfg.head_dim
+        rows = h * (2 + slots)  # the prompt's, the scratch's, the slots'
+        self.kv = [{a: torch.zeros(rows * self.frames, 2, heads, d, device=dev, dtype=dtype) for a in self.attn} for _ in past]
+        self.tails = [torch.zeros(h * (2 + 2 * slots), w, device=dev, dtype=dtype) for _ in past]
+        for step, p in enumerate(past):  # the prompt's rows: its past, once
+            for a, (k, v) in p.keys.items():
+                self.kv[step][a].view(rows, self.frames, 2, heads, d)[:h, : self.base] = torch.stack([k, v], 2).transpose(1, 3)
+            for c, x in p.convs.items():
+                self.tails[step][:h, self.offset[c] : self.offset[c] + self.width[c]] = x.flatten(1)
+        self.noise = decoder.noise.buffer.to(dev)  # [1, mels, frames], read per row inside a graph
+        self.velocity = SlotPass(decoder)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for step in self.kv for t in step.values()) + sum(
+            t.numel() * t.element_size() for t in self.tails
+        )
+
+    @staticmethod
+    def size(decoder: CodecDecoder, slots: int, frames: int) -> int:
+        """The bytes `FlowSlots(decoder, <a prompt whose past fits a slot>, slots, frames)` holds."""
+        cfg, est = decoder.cfg, decoder.estimator
+        h = 2 if cfg.solver.cfg_rate != 0 else 1
+        kv = len(est.transformer_blocks()) * h * (2 + slots) * frames * 2 * est.cfg.heads * est.cfg.head_dim
+        tails = h * (2 + 2 * slots) * sum(m.left * m.in_channels for m in est.modules() if isinstance(m, CausalConv1d))
+        return cfg.solver.steps * (kv + tails) * est.final_proj.weight.element_size()
+
+    def take(self) -> int:
+        """A free slot for a new stream."""
+        if not self.free:
+            raise RuntimeError(f"all {self.count} flow slots are taken (benchmark.codec.slots)")
+        return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        self.parity[slot] = 0
+        self.free.append(slot)
+
+    def index(self, slots: list[int | None], starts: list[int], ends: list[int], new: int, keys: int) -> SlotIndex:
+        """The rows of a call: per row its slot (None: padding, the scratch row), its first and end
+        frame (absolute, the prompt's first); `new` frames solved a row (Q), `keys` key frames (K).
+        A row's first call starts at `base` and reads the prompt's tails; then its slot's, by parity."""
+        f, h, n = self.frames, self.halves, len(slots)
+        for s, a, b in zip(slots, starts, ends, strict=True):
+            if s is not None and (b - a > new or a - self.base + new > f or b > keys):
+                raise ValueError(
+                    f"a flow call of frames {a}..{b} does not fit: {new} new frames a call, {keys} keys, slots of {f}"
+                )
+        half = torch.arange(h)[:, None].expand(h, n)
+        kv_row = (torch.tensor([1 if s is None else 2 + s for s in slots])[None] * h + half).reshape(-1)
+        prompt_row = half.reshape(-1)
+        start = torch.tensor(starts).repeat(h)
+        j = torch.arange(keys)[None]
+        own = (j - self.base).clamp(0, f - 1)
+        key_index = torch.where(j < self.base, prompt_row[:, None] * f + j.clamp(max=f - 1), kv_row[:, None] * f + own)
+        writes = kv_row[:, None] * f + (start[:, None] - self.base + torch.arange(new)).clamp(0, f - 1)
+        tail_row = [(2 + 2 * s + self.parity[s]) if s is not None else 1 for s in slots]  # in units of h rows
+        first = [s is not None and a == self.base for s, a in zip(slots, starts, strict=True)]
+        t_in = torch.tensor([0 if fi else r for fi, r in zip(first, tail_row, strict=True)])
+        t_out = torch.tensor([r if s is None else 2 + 2 * s + 1 - self.parity[s] for s, r in zip(slots, tail_row, strict=True)])
+        return SlotIndex(
+            start,
+            (torch.tensor(ends) - torch.tensor(starts)).repeat(h),
+            key_index,
+            writes,
+            (t_in[None] * h + half).reshape(-1),
+            (t_out[None] * h + half).reshape(-1),
+        )
+
+    def advance(self, slots: list[int | None]) -> None:
+        """After a call (launched): its slots' next call reads the tails it wrote."""
+        for s in slots:
+            if s is not None:
+                self.parity[s] ^= 1
+
+    def flow(self, tokens: Tensor, lengths: Tensor, context: Tensor | None, *index: Tensor) -> Tensor:
+        """The flow over rows of this voice, each solving only its new frames: tokens [n, T] (the prompt's
+        codes first, right-padded), lengths [n], context [n, lookahead] or None, `index` a SlotIndex's
+        tensors -> mel [n, mels, Q] float32, the frames from each row's start. No host sync: a graph."""
+        dec, ix = self.decoder, SlotIndex(*index)
+        n, q = tokens.shape[0], ix.writes.shape[1]
+        mu = dec.flow(tokens, lengths, chunk=dec.cfg.chunk, context=context)  # [n, mels, T * stride]
+        mels, frames = mu.shape[1], mu.shape[2]
+        at = ix.starts[:n, None] + torch.arange(q, device=mu.device)  # [n, Q] absolute frames
+        mu = mu.gather(2, at.clamp(max=frames - 1)[:, None].expand(-1, mels, -1))
+        pm = self.prompt.mel.to(mu)
+        cond = torch.cat([pm, pm.new_zeros(mels, 1)], 1)[:, at.clamp(max=pm.shape[1])].transpose(0, 1)
+        x0 = self.noise[0][:, at.clamp(max=self.noise.shape[-1] - 1)].transpose(0, 1).to(mu.dtype)
+        mask = (torch.arange(q, device=mu.device) < ix.valid[:n, None])[:, None].to(mu.dtype)
+        spks = dec.flow.speaker(self.prompt.xvector.to(mu)[None]).expand(n, -1)
+        views = [SlotView(self, step, ix) for step in range(len(self.kv))]
+        return solve(self.velocity, mu, mask, spks, cond, dec.cfg.solver, True, dec.noise, views, x0=x0)
+
+
+def tail_at(x: Tensor, valid: Tensor, left: int) -> Tensor:
+    """x [R, left + Q, C], a convolution's input with its left context: each row's last `left` valid
+    input frames [R, left, C] (row r's valid frames end at valid[r])."""
+    at = valid[:, None] + torch.arange(left, device=x.device)
+    return x.gather(1, at[..., None].expand(-1, -1, x.shape[2]))
+
+
+class SlotView:
+    """One ODE step's part of a call: the convolution tails (`fast.Tails`) and the keys and values.
+    The tails are read once, before the pass, and written once, after it (`flush`)."""
+
+    def __init__(self, slots: FlowSlots, step: int, ix: SlotIndex) -> None:
+        self.slots, self.ix = slots, ix
+        self.kv = slots.kv[step]
+        self.pool = slots.tails[step]
+        self.before = self.pool[ix.tails_in]  # [R, width]
+        self.kept: dict[nn.Module, Tensor] = {}
+
+    def tail(self, conv: nn.Module, x: Tensor | None = None) -> Tensor:
+        o, w = self.slots.offset[conv], self.slots.width[conv]
+        return self.before[:, o : o + w].view(-1, conv.left, conv.in_channels)
+
+    def keep(self, conv: nn.Module, x: Tensor) -> None:
+        self.kept[conv] = tail_at(x, self.ix.valid, conv.left)
+
+    def flush(self) -> None:
+        """Every convolution's new tails to the rows the call writes, in one copy."""
+        new = torch.cat([self.kept[c].flatten(1) for c in self.slots.convs], dim=1)
+        self.pool.index_copy_(0, self.ix.tails_out, new.to(self.pool.dtype))
+
+    def bias(self, q: int, chunk: int, dtype: torch.dtype) -> Tensor:
+        """SDPA's additive mask [R, 1, Q, K]: query frame start + i sees key j when j is in its chunk or
+        before, and among the row's valid frames."""
+        ix = self.ix
+        k = ix.keys.shape[1]
+        at = ix.starts[:, None] + torch.arange(q, device=ix.starts.device)  # [R, Q]
+        keys = torch.arange(k, device=at.device)
+        allowed = (keys < ((at // chunk + 1) * chunk)[..., None]) & (keys < (ix.starts + ix.valid)[:, None, None])
+        bias = torch.zeros(*allowed.shape[:2], -(-k // ALIGN) * ALIGN, device=at.device, dtype=dtype)[..., :k]
+        return bias.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def resnet(
+    r: CausalResnetBlock1D, x: Tensor, temb: Tensor, tails: tuple[Tensor, Tensor], valid: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fast.resnet, its two causal convolutions' left context given and their new tails returned: no
+    state, so it compiles whole."""
+    (c1, _, n1), (c2, _, n2) = r.block1.block, r.block2.block
+    x1 = torch.cat([tails[0], x], dim=1)
+    h = F.mish(n1(windowed(c1, x1))) + F.linear(temb, r.mlp[1].weight, r.mlp[1].bias)[:, None]
+    h1 = torch.cat([tails[1], h], dim=1)
+    out = F.mish(n2(windowed(c2, h1))) + conv(r.res_conv, x)
+    return out, tail_at(x1, valid, c1.left), tail_at(h1, valid, c2.left)
+
+
+def qkv(b: TransformerBlock, h: Tensor) -> Tensor:
+    """A transformer block's q, k and v over [R, Q, C] -> [R, Q, 3, heads, d]."""
+    a = b.attn1
+    return a.qkv(b.norm1(h)).view(*h.shape[:2], 3, a.heads, -1)
+
+
+def out(b: TransformerBlock, h: Tensor, y: Tensor) -> Tensor:
+    """The rest of the block after attention: y [R, Q, heads x d]."""
+    h = h + b.attn1.to_out[0](y)
+    return h + b.ff(b.norm3(h))
+
+
+class SlotPass:
+    """The estimator's fast pass (fast.py) against a call's slot view: the same U-Net, each row's
+    mask shifted by its own first frame. With the decoder's blocks compiled, so are the transformer
+    blocks' parts around the attention (the pools are read and written eager, between them)."""
+
+    def __init__(self, decoder: CodecDecoder) -> None:
+        self.fast = decoder.fast
+        compiled = decoder.compiled
+        self.qkv, self.out, self.resnet = (
+            (torch.compile(qkv, dynamic=True), torch.compile(out, dynamic=True), torch.compile(resnet, dynamic=True))
+            if compiled
+            else (qkv, out, resnet)
+        )
+
+    def res(self, r: CausalResnetBlock1D, x: Tensor, temb: Tensor, view: SlotView) -> Tensor:
+        c1, c2 = r.block1.block[0], r.block2.block[0]
+        out, view.kept[c1], view.kept[c2] = self.resnet(r, x, temb, (view.tail(c1), view.tail(c2)), view.ix.valid)
+        return out
+
+    def transformer(self, b: TransformerBlock, h: Tensor, bias: Tensor, view: SlotView) -> Tensor:
+        """A transformer block over [R, Q, C] whose keys are the row's past frames and its own: the new
+        keys and values written to the row's pool frames first, then every key frame gathered."""
+        x = self.qkv(b, h)
+        pool = view.kv[b.attn1]
+        pool.index_put_((view.ix.writes,), x[:, :, 1:])
+        kv = pool[view.ix.keys]  # [R, K, 2, heads, d]
+        y = F.scaled_dot_product_attention(
+            x[:, :, 0].transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), attn_mask=bias
+        )
+        return self.out(b, h, y.transpose(1, 2).flatten(2))
+
+    def __call__(
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool = True,
+        past: SlotView | None = None,
+    ) -> Tensor:  # fmt: skip
+        if past is None or not streaming:
+            raise ValueError("a slot pass needs its call's slot view and chunk masks")
+        est = self.fast.est
+        temb, parts = est.inputs(x, mu, t, spks, cond, streaming, past)  # type: ignore[arg-type]
+        h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)
+        bias = past.bias(h.shape[1], est.chunk_frames, h.dtype)
+        out = self.fast.unet(h, F.mish(temb), bias, past, self.res, self.transformer)
+        past.flush()
+        return out.transpose(1, 2) * mask
