@@ -91,6 +91,29 @@ def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
         batch.release()
 
 
+def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
+    """Chunks that waited: with a slot, a stream's consecutive flow calls go as one while their new
+    frames fit a call (under chunk masks the frames of one call over two chunks are those of two
+    calls). Two streams, each with its first chunk and the next two at once, take two calls, not
+    three, then two for the rest (a chunk and their last call, which runs alone); each stream's PCM
+    is its own alone."""
+    batch = CodecBatch(decoder, voice, slots=2, max_codes=40)
+    ran, real = [], FlowSlots.flow
+    monkeypatch.setattr(FlowSlots, "flow", lambda self, tokens, *a: ran.append(len(tokens)) or real(self, tokens, *a))
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    calls = []
+    for done, n, last in ((0, 21, False), (21, 5, True)):  # 21 codes: calls due at 11, 16 and 21; then 26, last
+        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+        calls.append(len(ran))
+    assert ran == [2] * 4 and calls == [2, 4] and batch.new_frames == 80  # 60 frames + 20 in one call, then 20
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
 def call_rows(decoder: CodecDecoder, voice: VoicePrompt, codes: list[int], keys: int):
     """One first call of `codes` after the prompt: tokens, lengths and lookahead context of one row."""
     la = decoder.cfg.encoder.lookahead

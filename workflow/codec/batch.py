@@ -115,27 +115,54 @@ class CodecBatch:
     @torch.inference_mode()
     def flows(self, pieces: list[Piece]) -> Work:
         """Stage one: add each piece's codes to its stream and run every flow call now due. A stream may
-        have several pieces in a batch (chunks that waited): its calls keep their order, round by round."""
+        have several pieces in a batch (chunks that waited): its calls keep their order, round by round,
+        and with a slot its consecutive calls run as one (`_jobs`)."""
         due = [(self.stream(p.stream), p) for p in pieces]
         calls = [s.calls(p.codes, p.last) for s, p in due]
-        first, seen = [], {}  # each piece's first call's round: after its stream's earlier pieces' calls
+        first, seen = [], {}  # each piece's first call's round (HiFT's): after its stream's earlier pieces' calls
         for p, c in zip(pieces, calls, strict=True):
             first.append(seen.get(p.stream, 0))
             seen[p.stream] = first[-1] + len(c)
+        jobs = self._jobs(pieces, calls)
         mels: list[list[Tensor]] = [[] for _ in pieces]
-        for r in range(max(seen.values(), default=0)):
+        for r in range(max(map(len, jobs.values()), default=0)):
             for finalize in (False, True):
-                now = [i for i, c in enumerate(calls) if 0 <= r - first[i] < len(c) and c[r - first[i]].finalize == finalize]
+                now = [(k, js[r]) for k, js in jobs.items() if r < len(js) and js[r][0].finalize == finalize]
                 for slotted in (True, False):
-                    batch = [i for i in now if (pieces[i].stream in self.slot_of) == slotted]
-                    if batch:
-                        keys = [pieces[i].stream for i in batch]
-                        for i, m in zip(batch, self.mel([calls[i][r - first[i]] for i in batch], finalize, keys), strict=True):
-                            mels[i].append(due[i][0].keep(m))
+                    batch = [(k, job) for k, job in now if (k in self.slot_of) == slotted]
+                    if not batch:
+                        continue
+                    got = self.mel([call for _, (call, _) in batch], finalize, [k for k, _ in batch])
+                    for (_, (_, parts)), m in zip(batch, got, strict=True):
+                        for i, n in parts:  # the frames each call keeps, in order
+                            mels[i].append(due[i][0].keep(m[:, :n]))
+                            m = m[:, n:]
         for p in pieces:
             if p.last:
                 self.end(p.stream)
         return [(s, m, p.last, f) for (s, p), m, f in zip(due, mels, first, strict=True)]
+
+    def _jobs(self, pieces: list[Piece], calls: list[list[FlowCall]]) -> dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]]:
+        """Each stream's flow calls in order, as `mel` runs them, with the frames each call keeps and its
+        piece: with a slot, consecutive calls (not a last one) go as one call while their new frames fit
+        `new_frames` (chunk masks make the frames of one call over two chunks those of two calls)."""
+        stride, p, la = self.decoder.stride, len(self.prompt), self.decoder.cfg.encoder.lookahead
+        jobs: dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]] = {}
+        start: dict[int, int] = {}  # each stream's first frame of its last job
+        for i, (piece, cs) in enumerate(zip(pieces, calls, strict=True)):
+            k, js = piece.stream, jobs.setdefault(piece.stream, [])
+            for c in cs:
+                end = (p + len(c.codes) - (0 if c.finalize else la)) * stride
+                kept = end - (p + c.offset) * stride
+                last = js[-1][0] if js else None
+                merge = k in self.slot_of and last is not None and not (c.finalize or last.finalize)
+                if merge and end - start[k] <= self.new_frames:
+                    js[-1] = (FlowCall(c.codes, last.offset, streaming=True, finalize=False), [*js[-1][1], (i, kept)])
+                else:
+                    if k in self.slot_of:  # where this call starts solving: the slot's end, or the last job's
+                        start[k] = self.solved[k] if last is None else (p + len(last.codes) - la) * stride
+                    js.append((c, [(i, kept)]))
+        return jobs
 
     @torch.inference_mode()
     def vocodes(self, work: Work) -> list[Tensor]:
