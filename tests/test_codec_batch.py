@@ -11,20 +11,14 @@ import time
 
 import pytest
 import torch
+from codec_alone import ATOL_PCM, SPC, TINY, alone, in_steps
 
 from workflow.codec.batch import CodecBatch, CodecLanes
-from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
-from workflow.codec.hift import DEFAULT_SEED
-from workflow.codec.stream import CodecStream
 from workflow.detokenize import Piece
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
 from workflow.serve import load
-
-TINY = CodecConfig.tiny()
-SPC = TINY.encoder.stride * TINY.hift.hop  # 1920 samples a code
-ATOL_PCM = 1e-5
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,11 +34,6 @@ def voice() -> VoicePrompt:
     return VoicePrompt(torch.randint(0, 1000, (7,), generator=g), torch.randn(80, 28, generator=g), torch.randn(192, generator=g))
 
 
-def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tensor, chunk: int) -> torch.Tensor:
-    s = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + key), flow_cache=False)
-    return torch.cat([s.push(codes[i : i + chunk]) for i in range(0, len(codes), chunk)] + [s.finish()])
-
-
 def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder, voice):
     """Four streams join at different steps and end at different lengths, one of them right after a whole
     chunk (its last piece empty), in two batches each stream's chunks two at a time (chunks that waited),
@@ -54,28 +43,10 @@ def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder,
     lengths, joins, chunk = {1: 23, 2: 31, 3: 12, 4: 15}, {1: 0, 2: 6, 3: 2, 4: 1}, 5
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
     batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1, pad_frames=16)
-    got: dict[int, list[torch.Tensor]] = {k: [] for k in lengths}
-    done, ended, step = dict.fromkeys(lengths, 0), set(), 0
-    while len(ended) < len(lengths):
-        pieces = []
-        for k, n in lengths.items():
-            for _ in range(2 if step in (3, 5) else 1):
-                if step < joins[k] or k in ended:
-                    continue
-                take = codes[k][done[k] : done[k] + chunk]
-                last = done[k] + len(take) >= n and (len(take) < chunk or (k == 4 and len(take) == 0))
-                if len(take) or last:
-                    pieces.append(Piece(k, take, done[k], last))
-                    done[k] += len(take)
-                if last:
-                    ended.add(k)
-        pcm = batch.vocodes(batch.flows(pieces))
-        for p, x in zip(pieces, pcm, strict=True):
-            got[p.stream].append(x)
-        step += 1
+    got = in_steps(batch, codes, joins, chunk)
     assert not batch.streams
     for k, n in lengths.items():
-        mine, own = torch.cat(got[k]), alone(decoder, voice, k, codes[k], chunk)
+        mine, own = got[k], alone(decoder, voice, k, codes[k], chunk)
         assert mine.shape == own.shape == (n * SPC,)
         assert (mine - own).abs().max() <= ATOL_PCM, k
 

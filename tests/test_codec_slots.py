@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_alone import ATOL_PCM, SPC, alone, in_steps
 
 from workflow.codec.batch import CodecBatch
-from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
-from workflow.codec.hift import DEFAULT_SEED
 from workflow.codec.slots import FlowSlots
 from workflow.codec.stream import CodecStream
 from workflow.detokenize import Piece
-
-TINY = CodecConfig.tiny()
-SPC = TINY.encoder.stride * TINY.hift.hop  # 1920 samples a code
-ATOL_PCM = 1e-5
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,11 +35,6 @@ def voice() -> VoicePrompt:
     )
 
 
-def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tensor, chunk: int) -> torch.Tensor:
-    s = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + key), flow_cache=False)
-    return torch.cat([s.push(codes[i : i + chunk]) for i in range(0, len(codes), chunk)] + [s.finish()])
-
-
 def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
     """Five streams join at different steps and end at different lengths (one right after a whole chunk,
     its last piece empty), on three slots: the fifth joins after two have ended and takes a slot they
@@ -56,30 +46,16 @@ def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
     batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1, pad_frames=16, slots=3, max_codes=40)
     assert batch.slots is None and batch.flow_slots().base == 20  # made at the first call
-    got: dict[int, list[torch.Tensor]] = {k: [] for k in lengths}
-    done, ended, step, reused = dict.fromkeys(lengths, 0), set(), 0, False
-    while len(ended) < len(lengths):
-        pieces = []
-        for k, n in lengths.items():
-            for _ in range(2 if step in (3, 5) else 1):
-                if step < joins[k] or k in ended:
-                    continue
-                take = codes[k][done[k] : done[k] + chunk]
-                last = done[k] + len(take) >= n and (len(take) < chunk or (k == 4 and len(take) == 0))
-                if len(take) or last:
-                    pieces.append(Piece(k, take, done[k], last))
-                    done[k] += len(take)
-                if last:
-                    ended.add(k)
-        pcm = batch.vocodes(batch.flows(pieces))
-        reused |= 5 in batch.slot_of and len(ended - {5}) >= 2
-        for p, x in zip(pieces, pcm, strict=True):
-            got[p.stream].append(x)
-        step += 1
-    assert reused and not batch.streams and not batch.slot_of and sorted(batch.slots.free) == [0, 1, 2]
+    reused = []  # after a step: whether stream 5 holds a slot while two others have ended
+
+    def after(ended: set[int]) -> None:
+        reused.append(5 in batch.slot_of and len(ended - {5}) >= 2)
+
+    got = in_steps(batch, codes, joins, chunk, after)
+    assert any(reused) and not batch.streams and not batch.slot_of and sorted(batch.slots.free) == [0, 1, 2]
     assert batch.slots.nbytes() == FlowSlots.size(decoder, 3, batch.slot_frames)
     for k, n in lengths.items():
-        mine, own = torch.cat(got[k]), alone(decoder, voice, k, codes[k], chunk)
+        mine, own = got[k], alone(decoder, voice, k, codes[k], chunk)
         assert mine.shape == own.shape == (n * SPC,)
         assert (mine - own).abs().max() <= ATOL_PCM, k
     batch.release()  # no stream speaks: the slots go, and come back with the next stream
