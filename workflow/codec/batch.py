@@ -67,7 +67,7 @@ class CodecBatch:
         self.solved: dict[int, int] = {}  # each stream's frames in its slot's past (absolute, the prompt's first)
         if slots:
             cf, stride = decoder.cfg.chunk * decoder.stride, decoder.stride
-            base = max(0, (len(self.prompt) - decoder.cfg.encoder.lookahead) * stride // cf * cf)  # prompt_past's
+            base = decoder.past_frames(len(self.prompt))
             self.new_frames = -(-((len(self.prompt) + self.first_codes) * stride - base) // cf) * cf
             self.slot_frames = (len(self.prompt) + max_codes + self.first_codes) * stride - base + self.new_frames
 

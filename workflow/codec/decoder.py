@@ -214,16 +214,21 @@ class CodecDecoder(nn.Module):
         mu, cond = mu[:, :, start:], cond[:, :, start:]
         return solve(self.velocity, mu, mask, spks, cond, self.cfg.solver, streaming=chunk > 0, noise=self.noise, past=past)
 
+    def past_frames(self, prompt_codes: int) -> int:
+        """The frames `prompt_past` covers for a prompt of that many codes: its whole chunks that the
+        lookahead does not reach (180 of a 50-code prompt's 200)."""
+        if self.cfg.chunk <= 0:
+            raise ValueError("a flow past needs a chunk-trained config (cfg.chunk > 0)")
+        chunk_frames = self.cfg.chunk * self.stride
+        return max(0, (prompt_codes - self.cfg.encoder.lookahead) * self.stride // chunk_frames * chunk_frames)
+
     @torch.inference_mode()
     def prompt_past(self, prompt: VoicePrompt) -> list[Past]:
         """The flow's past (one per ODE step) over the prompt frames no reply can change: the whole chunks
         whose codes and lookahead are all the prompt's. Made once per voice; each stream starts from a copy."""
-        cfg, stride = self.cfg, self.stride
-        if cfg.chunk <= 0:
-            raise ValueError("a flow past needs a chunk-trained config (cfg.chunk > 0)")
+        cfg, frames = self.cfg, self.past_frames(prompt.codes.numel())
         past = [Past() for _ in range(cfg.solver.steps)]
-        la, chunk_frames = cfg.encoder.lookahead, cfg.chunk * stride
-        frames = (prompt.codes.numel() - la) * stride // chunk_frames * chunk_frames
+        la = cfg.encoder.lookahead
         if frames <= 0:
             return past
         prompt = prompt.to(self.device)
