@@ -90,6 +90,22 @@ def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+def test_a_stream_longer_than_its_slot_gives_it_back_and_goes_on(decoder, voice):
+    """A reply longer than `max_codes` (the slots' size): when its next call would run past its slot
+    the stream gives the slot back, for the next stream, and re-runs every frame from there; its PCM
+    is still its own alone, whole."""
+    batch = CodecBatch(decoder, voice, slots=1, max_codes=10)
+    codes = torch.randint(0, 1000, (31,), generator=torch.Generator().manual_seed(6))
+    pcm, held = [], []
+    for done in range(0, 31, 5):
+        piece = Piece(1, codes[done : done + 5], done, done + 5 >= 31)
+        pcm += batch.vocodes(batch.flows([piece]))
+        held.append(1 in batch.slot_of)
+    assert held[0] and not held[-2] and batch.flow_slots().free == [0]
+    mine = torch.cat(pcm)
+    assert mine.shape == (31 * SPC,) and (mine - alone(decoder, voice, 1, codes, 5)).abs().max() <= ATOL_PCM
+
+
 def call_rows(decoder: CodecDecoder, voice: VoicePrompt, codes: list[int], keys: int):
     """One first call of `codes` after the prompt: tokens, lengths and lookahead context of one row."""
     la = decoder.cfg.encoder.lookahead

@@ -53,7 +53,8 @@ class CodecBatch:
         """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
         shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
         from a CUDA graph, per lane; slots > 0: the flow cache in fixed buffers (slots.py) for that many
-        streams at once, each of up to `max_codes` codes: a call solves only its new frames."""
+        streams at once, each of up to `max_codes` codes (a longer one gives its slot back when it outgrows
+        it, and re-runs every frame from there): a call solves only its new frames."""
         if pad_frames % decoder.stride:
             raise ValueError(f"pad_frames must be a multiple of {decoder.stride} frames (a code's), got {pad_frames}")
         self.decoder, self.voice, self.bucket, self.pad_frames = decoder, voice.to(decoder.device), bucket, pad_frames
@@ -109,8 +110,7 @@ class CodecBatch:
         """A stream is done: its state goes, its slot is free."""
         del self.streams[key]
         if key in self.slot_of:
-            self.flow_slots().release(self.slot_of.pop(key))
-            del self.solved[key]
+            self._unslot(key)
 
     @torch.inference_mode()
     def flows(self, pieces: list[Piece]) -> Work:
@@ -119,6 +119,9 @@ class CodecBatch:
         and with a slot its consecutive calls run as one (`_jobs`)."""
         due = [(self.stream(p.stream), p) for p in pieces]
         calls = [s.calls(p.codes, p.last) for s, p in due]
+        for p, cs in zip(pieces, calls, strict=True):
+            if cs and p.stream in self.slot_of and self._outgrows(cs[-1]):
+                self._unslot(p.stream)  # from here on it re-runs every frame
         first, seen = [], {}  # each piece's first call's round (HiFT's): after its stream's earlier pieces' calls
         for p, c in zip(pieces, calls, strict=True):
             first.append(seen.get(p.stream, 0))
@@ -141,6 +144,17 @@ class CodecBatch:
             if p.last:
                 self.end(p.stream)
         return [(s, m, p.last, f) for (s, p), m, f in zip(due, mels, first, strict=True)]
+
+    def _outgrows(self, call: FlowCall) -> bool:
+        """Whether a call ends past what a slot holds (a reply longer than `max_codes`)."""
+        la = 0 if call.finalize else self.decoder.cfg.encoder.lookahead
+        end = (len(self.prompt) + len(call.codes) - la) * self.decoder.stride
+        return end - self.flow_slots().base + self.new_frames > self.flow_slots().frames
+
+    def _unslot(self, key: int) -> None:
+        """A stream gives its slot back and goes on without one."""
+        self.flow_slots().release(self.slot_of.pop(key))
+        del self.solved[key]
 
     def _jobs(self, pieces: list[Piece], calls: list[list[FlowCall]]) -> dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]]:
         """Each stream's flow calls in order, as `mel` runs them, with the frames each call keeps and its
