@@ -185,6 +185,7 @@ class SlotView:
         self.kept: dict[nn.Module, Tensor] = {}
 
     def tail(self, conv: nn.Module, x: Tensor | None = None) -> Tensor:
+        """The convolution's left context [R, left, C_in], as read before the pass (x: unused, for `Tails`)."""
         o, w = self.slots.offset[conv], self.slots.width[conv]
         return self.before[:, o : o + w].view(-1, conv.left, conv.in_channels)
 
@@ -268,6 +269,8 @@ class SlotPass:
         self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool = True,
         past: SlotView | None = None,
     ) -> Tensor:  # fmt: skip
+        """Called like the estimator (solver.Estimator), `past` the call's view of this ODE step: the
+        velocity [R, 80, Q] of each row's new frames; the step's tails written after the pass."""
         if past is None or not streaming:
             raise ValueError("a slot pass needs its call's slot view and chunk masks")
         est = self.fast.est
