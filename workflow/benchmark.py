@@ -196,7 +196,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
         graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
-        longest = round(LoadConfig.from_dict(p["load"]).reply_seconds[1] / SECONDS_PER_TOKEN) if p.get("load") else 0
+        longest = LoadConfig.from_dict(p["load"]).longest_codes if p.get("load") else 0
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
             slots=t.slots, max_codes=max(p["num_tokens"], longest),

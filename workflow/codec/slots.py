@@ -162,7 +162,8 @@ class FlowSlots:
         x0 = self.noise[0][:, at.clamp(max=self.noise.shape[-1] - 1)].transpose(0, 1).to(mu.dtype)
         mask = (torch.arange(q, device=mu.device) < ix.valid[:n, None])[:, None].to(mu.dtype)
         spks = dec.flow.speaker(self.prompt.xvector.to(mu)[None]).expand(n, -1)
-        views = [SlotView(self, step, ix) for step in range(len(self.kv))]
+        bias = row_bias(ix, q, dec.estimator.chunk_frames, mu.dtype)
+        views = [SlotView(self, step, ix, bias) for step in range(len(self.kv))]
         return solve(self.velocity, mu, mask, spks, cond, dec.cfg.solver, True, dec.noise, views, x0=x0)
 
 
@@ -173,12 +174,25 @@ def tail_at(x: Tensor, valid: Tensor, left: int) -> Tensor:
     return x.gather(1, at[..., None].expand(-1, -1, x.shape[2]))
 
 
-class SlotView:
-    """One ODE step's part of a call: the convolution tails (`fast.Tails`) and the keys and values.
-    The tails are read once, before the pass, and written once, after it (`flush`)."""
+def row_bias(ix: SlotIndex, q: int, chunk: int, dtype: torch.dtype) -> Tensor:
+    """SDPA's additive mask [R, 1, Q, K] of a call's rows, made once a call (every ODE step's blocks read
+    it): query frame start + i sees key j when j is in its chunk or before, and among the row's valid
+    frames."""
+    k = ix.keys.shape[1]
+    at = ix.starts[:, None] + torch.arange(q, device=ix.starts.device)  # [R, Q]
+    keys = torch.arange(k, device=at.device)
+    allowed = (keys < ((at // chunk + 1) * chunk)[..., None]) & (keys < (ix.starts + ix.valid)[:, None, None])
+    bias = torch.zeros(*allowed.shape[:2], -(-k // ALIGN) * ALIGN, device=at.device, dtype=dtype)[..., :k]
+    return bias.masked_fill_(~allowed, float("-inf"))[:, None]
 
-    def __init__(self, slots: FlowSlots, step: int, ix: SlotIndex) -> None:
-        self.slots, self.ix = slots, ix
+
+class SlotView:
+    """One ODE step's part of a call: the convolution tails (`fast.Tails`), the keys and values, and
+    the call's attention mask. The tails are read once, before the pass, and written once, after it
+    (`flush`)."""
+
+    def __init__(self, slots: FlowSlots, step: int, ix: SlotIndex, bias: Tensor) -> None:
+        self.slots, self.ix, self.bias = slots, ix, bias
         self.kv = slots.kv[step]
         self.pool = slots.tails[step]
         self.before = self.pool[ix.tails_in]  # [R, width]
@@ -196,17 +210,6 @@ class SlotView:
         """Every convolution's new tails to the rows the call writes, in one copy."""
         new = torch.cat([self.kept[c].flatten(1) for c in self.slots.convs], dim=1)
         self.pool.index_copy_(0, self.ix.tails_out, new.to(self.pool.dtype))
-
-    def bias(self, q: int, chunk: int, dtype: torch.dtype) -> Tensor:
-        """SDPA's additive mask [R, 1, Q, K]: query frame start + i sees key j when j is in its chunk or
-        before, and among the row's valid frames."""
-        ix = self.ix
-        k = ix.keys.shape[1]
-        at = ix.starts[:, None] + torch.arange(q, device=ix.starts.device)  # [R, Q]
-        keys = torch.arange(k, device=at.device)
-        allowed = (keys < ((at // chunk + 1) * chunk)[..., None]) & (keys < (ix.starts + ix.valid)[:, None, None])
-        bias = torch.zeros(*allowed.shape[:2], -(-k // ALIGN) * ALIGN, device=at.device, dtype=dtype)[..., :k]
-        return bias.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
 def resnet(
@@ -276,7 +279,6 @@ class SlotPass:
         est = self.fast.est
         temb, parts = est.inputs(x, mu, t, spks, cond, streaming, past)  # type: ignore[arg-type]
         h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)
-        bias = past.bias(h.shape[1], est.chunk_frames, h.dtype)
-        out = self.fast.unet(h, F.mish(temb), bias, past, self.res, self.transformer)
+        out = self.fast.unet(h, F.mish(temb), past.bias, past, self.res, self.transformer)
         past.flush()
         return out.transpose(1, 2) * mask

@@ -57,6 +57,11 @@ class LoadConfig:
     first_chunks_apart: bool = True  # chunks up to a stream's first PCM at once, on the urgent lane (ServeConfig)
     seed: int = 9101
 
+    @property
+    def longest_codes(self) -> int:
+        """The codes of the longest reply the levels ask for."""
+        return round(self.reply_seconds[1] / SECONDS_PER_TOKEN)
+
     @classmethod
     def from_dict(cls, d: dict) -> LoadConfig:
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
@@ -232,7 +237,7 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(cfg.slots, cfg.prompt_len, admissions)
     if warm := getattr(detokenize, "warm", None):
-        calls = warm(cfg.slots, chunk_tokens, round(cfg.reply_seconds[1] / SECONDS_PER_TOKEN))
+        calls = warm(cfg.slots, chunk_tokens, cfg.longest_codes)
     took = time.perf_counter() - t0
     if graphs or calls:
         print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
