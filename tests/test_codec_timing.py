@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workflow.codec.solver import solve
-from workflow.codec.timing import CodecTiming, Runner, decoders, measure
+from workflow.codec.timing import CodecTiming, Runner, SlotRunner, decoders, measure, voice_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,6 +31,28 @@ def test_the_timed_stages_are_the_decoders_own_computation():
     assert all(p.frames == 20 for p in cached.past)  # each timed call starts from the same past
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(("body", "start"), [(15, 20), (35, 120)])
+def test_the_slots_call_is_a_streams_frames_from_its_slot(body, start):
+    """SlotRunner's call (the first after the voice prompt's past of 20 frames; a later one, the slots
+    holding 20..120) gives the frames re-running every frame gives, from its start: the voice's codes
+    first, its mel the condition, its speaker; so its ODE step is one step of that call."""
+    t = CodecTiming()
+    ours, _ = decoders(t, torch.device("cpu"))
+    voice = voice_of(t, ours)
+    run = SlotRunner(ours, voice, batch=2, body=body, graphs=False, new=60, start=start)
+    assert torch.equal(run.tokens[:, :10], voice.codes.expand(2, -1)) and run.frames == 4 * body
+    cond = torch.zeros(2, 80, run.frames)
+    cond[:, :, :40] = voice.mel
+    spks = ours.flow.speaker(voice.xvector[None]).expand(2, -1)
+    want = solve(ours.velocity, run.mu, torch.ones(2, 1, run.frames), spks, cond, ours.cfg.solver, True, ours.noise)
+    got = run.stages["solve"]()
+    assert got.shape == (2, 80, 60)
+    torch.testing.assert_close(got[..., : run.frames - start], want[..., start:], rtol=0, atol=1e-5)
+    assert torch.equal(run.stages["solve"](), got)  # run again, as timed: the same call
+    assert run.stages["ode_step"]().shape == (2, 80, 60) and run.past_bytes() == run.slots.nbytes()
+
+
 def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engine():
     reached = []
     out = measure(CodecTiming(batches=(1, 3), repeat=1), torch.device("cpu"), reached.append)
@@ -45,6 +67,12 @@ def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engi
     assert row["ours", "later"]["solved_frames"] == row["baseline", "later"]["solved_frames"] == 4 * 35
     assert all(r[k] > 0 for r in out["calls"] for k in r if k.endswith("_ms"))
     assert out["first_codes"] == 8 and set(reached) == {8} and out["ttfa_ms"]["n"] == 1
+    slots = measure(CodecTiming(batches=(1, 3), repeat=1, slots=2, baseline=False, flow_cache=False), torch.device("cpu"))
+    got = {(r["variant"], r["call"], r["batch"]): r for r in slots["calls"]}
+    assert set(got) == {
+        (v, c, b) for v in ("ours", "ours, slots") for c in ("first", "later") for b in (1, 3) if b <= 2 or v == "ours"
+    }
+    assert got["ours, slots", "first", 1]["solved_frames"] == 40 and got["ours, slots", "later", 1]["solved_frames"] == 20
 
 
 def test_codec_settings_name_what_is_wrong():

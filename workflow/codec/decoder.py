@@ -118,11 +118,14 @@ class CodecDecoder(nn.Module):
     (`flow`), its velocity estimator, the fixed noise, HiFT. `cfg.chunk` > 0 means chunk-trained weights
     (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt. `official`: the solves run
     the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass;
-    `compiled`: the fast pass's blocks through torch.compile (fast.py)."""
+    `compiled`: the fast pass's blocks through torch.compile (fast.py); `kernels`: the flow slots' transformer
+    blocks as Triton kernels (kernels.py, CUDA)."""
 
-    def __init__(self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False) -> None:
+    def __init__(
+        self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False, kernels: bool = False
+    ) -> None:
         super().__init__()
-        self.official = official
+        self.official, self.kernels = official, kernels
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)

@@ -23,12 +23,13 @@ Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workflow.codec import kernels
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
 from workflow.codec.fast import ALIGN, conv, windowed
@@ -151,9 +152,14 @@ class FlowSlots:
         """The flow over rows of this voice, each solving only its new frames: tokens [n, T] (the prompt's
         codes first, right-padded), lengths [n], context [n, lookahead] or None, `index` a SlotIndex's
         tensors -> mel [n, mels, Q] float32, the frames from each row's start. No host sync: a graph."""
+        dec = self.decoder
+        return self.solve(dec.flow(tokens, lengths, chunk=dec.cfg.chunk, context=context), *index)
+
+    def solve(self, mu: Tensor, *index: Tensor, step: int | None = None) -> Tensor:
+        """The ODE of `flow` from the front end's mu [n, mels, T x stride]; step: that one ODE step alone
+        (its pass and update: timing.py times it)."""
         dec, ix = self.decoder, SlotIndex(*index)
-        n, q = tokens.shape[0], ix.writes.shape[1]
-        mu = dec.flow(tokens, lengths, chunk=dec.cfg.chunk, context=context)  # [n, mels, T * stride]
+        n, q = mu.shape[0], ix.writes.shape[1]
         mels, frames = mu.shape[1], mu.shape[2]
         at = ix.starts[:n, None] + torch.arange(q, device=mu.device)  # [n, Q] absolute frames
         mu = mu.gather(2, at.clamp(max=frames - 1)[:, None].expand(-1, mels, -1))
@@ -162,9 +168,11 @@ class FlowSlots:
         x0 = self.noise[0][:, at.clamp(max=self.noise.shape[-1] - 1)].transpose(0, 1).to(mu.dtype)
         mask = (torch.arange(q, device=mu.device) < ix.valid[:n, None])[:, None].to(mu.dtype)
         spks = dec.flow.speaker(self.prompt.xvector.to(mu)[None]).expand(n, -1)
-        bias = row_bias(ix, q, dec.estimator.chunk_frames, mu.dtype)
-        views = [SlotView(self, step, ix, bias) for step in range(len(self.kv))]
-        return solve(self.velocity, mu, mask, spks, cond, dec.cfg.solver, True, dec.noise, views, x0=x0)
+        bias = None if self.velocity.kernels else row_bias(ix, q, dec.estimator.chunk_frames, mu.dtype)
+        steps = range(len(self.kv)) if step is None else [step]
+        views = [SlotView(self, s, ix, bias) for s in steps]
+        solver = dec.cfg.solver if step is None else replace(dec.cfg.solver, steps=1)
+        return solve(self.velocity, mu, mask, spks, cond, solver, True, dec.noise, views, x0=x0)
 
 
 def tail_at(x: Tensor, valid: Tensor, left: int) -> Tensor:
@@ -188,10 +196,10 @@ def row_bias(ix: SlotIndex, q: int, chunk: int, dtype: torch.dtype) -> Tensor:
 
 class SlotView:
     """One ODE step's part of a call: the convolution tails (`fast.Tails`), the keys and values, and
-    the call's attention mask. The tails are read once, before the pass, and written once, after it
-    (`flush`)."""
+    the call's attention mask (None with the kernels, which compute it in place). The tails are read
+    once, before the pass, and written once, after it (`flush`)."""
 
-    def __init__(self, slots: FlowSlots, step: int, ix: SlotIndex, bias: Tensor) -> None:
+    def __init__(self, slots: FlowSlots, step: int, ix: SlotIndex, bias: Tensor | None) -> None:
         self.slots, self.ix, self.bias = slots, ix, bias
         self.kv = slots.kv[step]
         self.pool = slots.tails[step]
@@ -240,10 +248,14 @@ def out(b: TransformerBlock, h: Tensor, y: Tensor) -> Tensor:
 class SlotPass:
     """The estimator's fast pass (fast.py) against a call's slot view: the same U-Net, each row's
     mask shifted by its own first frame. With the decoder's blocks compiled, so are the transformer
-    blocks' parts around the attention (the pools are read and written eager, between them)."""
+    blocks' parts around the attention (the pools are read and written eager, between them); with its
+    `kernels`, the transformer blocks are five Triton kernels each (kernels.py)."""
 
     def __init__(self, decoder: CodecDecoder) -> None:
-        self.fast = decoder.fast
+        self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
+        if decoder.kernels and not kernels.available():
+            raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
+        self.kernels = decoder.kernels
         compiled = decoder.compiled
         self.qkv, self.out, self.resnet = (
             (torch.compile(qkv, dynamic=True), torch.compile(out, dynamic=True), torch.compile(resnet, dynamic=True))
@@ -256,9 +268,12 @@ class SlotPass:
         out, view.kept[c1], view.kept[c2] = self.resnet(r, x, temb, (view.tail(c1), view.tail(c2)), view.ix.valid)
         return out
 
-    def transformer(self, b: TransformerBlock, h: Tensor, bias: Tensor, view: SlotView) -> Tensor:
+    def transformer(self, b: TransformerBlock, h: Tensor, bias: Tensor | None, view: SlotView) -> Tensor:
         """A transformer block over [R, Q, C] whose keys are the row's past frames and its own: the new
         keys and values written to the row's pool frames first, then every key frame gathered."""
+        if self.kernels:
+            ix = view.ix
+            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk)
         x = self.qkv(b, h)
         pool = view.kv[b.attn1]
         pool.index_put_((view.ix.writes,), x[:, :, 1:])

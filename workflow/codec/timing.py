@@ -20,11 +20,14 @@ Three ways to run it, on the same weights (random, of the preset's shape, or the
   iSTFT from a graph, its NSF source eager (its noise comes from a generator);
 - `flow_cache` ("ours, flow cache"): ours solving only the new frames against the cached past
   (graphed per past length here), the cache's A/B. Its past costs ~2.3 MB a frame a stream at the
-  true shape in bf16, twice that while a call copies it.
+  true shape in bf16, twice that while a call copies it;
+- `slots` > 0 ("ours, slots"): the call as serving runs it (slots.py): each stream in its flow slot,
+  solving only its new frames (as many as serving's calls: `CodecBatch.new_frames`), with the slots'
+  kernels where `kernels` is on; at the batches up to `slots` (serving holds no more streams in slots).
 
 `ttfa_ms`: one stream end to end at batch 1, the engine's prefill and decode steps to the first
-chunk's codes, then that chunk's decode with our runner: time to first audio with the real
-decoder, the stream's host bookkeeping (stream.py) left out."""
+chunk's codes, then that chunk's decode as the benchmark's stream runs it (in a slot if `slots`):
+time to first audio with the real decoder, the stream's host bookkeeping (stream.py) left out."""
 
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
+from workflow.codec.slots import FlowSlots
 from workflow.codec.solver import solve
 from workflow.cudagraphs import Graphs
 from workflow.report import percentiles
@@ -64,6 +68,7 @@ class CodecTiming:
     seed: int = 0
     graphs: bool = True  # CUDA only
     compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
+    kernels: bool = True  # CUDA only: the flow slots' transformer blocks as Triton kernels (kernels.py)
     slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
 
     @classmethod
@@ -174,6 +179,40 @@ class Runner:
             self.stages[name]()
 
 
+class SlotRunner(Runner):
+    """The flow call as serving makes it with the flow slots (slots.py): each of `batch` streams in its
+    own slot (its codes the voice prompt's, then the reply's), solving only its frames from `start` (the
+    first call: the voice prompt's past's end) to its end, `new` frames a row; the slots hold the frames
+    before `start` (solved before timing, in one call). A timed call is run again as it was: no slot
+    advances."""
+
+    def __init__(self, dec: CodecDecoder, voice: VoicePrompt, batch: int, body: int, graphs: bool, new: int, start: int):
+        super().__init__(dec, batch, body, len(voice.codes), graphs)
+        self.tokens[:, : len(voice.codes)] = voice.codes.to(dec.device)
+        self.mu = self.front_end()
+        base = dec.past_frames(len(voice.codes))
+        self.start, rows = start, list(range(batch))
+        self.slots = FlowSlots(dec, voice, batch, self.frames + new - base)
+        if start > base:
+            earlier = self.slots.index(rows, [base] * batch, [start] * batch, start - base, self.frames)
+            with torch.no_grad():
+                self.slots.solve(self.mu, *(x.to(dec.device) for x in earlier.tensors()))
+            self.slots.advance(rows)
+        ix = self.slots.index(rows, [start] * batch, [self.frames] * batch, new, self.frames)
+        self.index = [x.to(dec.device) for x in ix.tensors()]
+        mid = dec.cfg.solver.steps // 2
+        stages = {"front_end": self.front_end, "ode_step": lambda: self.slot_solve(mid), "solve": self.slot_solve}
+        self.stages = {name: self._replayed(name, fn) for name, fn in stages.items()} | {"hift": self.hift}
+
+    @torch.no_grad()
+    def slot_solve(self, step: int | None = None) -> torch.Tensor:
+        return self.slots.solve(self.mu, *self.index, step=step)
+
+    def past_bytes(self) -> int:
+        """The slots' bytes, every stream's."""
+        return self.slots.nbytes()
+
+
 def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> tuple[CodecDecoder, CodecDecoder | None]:
     """Ours (t.dtype, the estimator's fast pass; HiFT float32) and the baseline (float32, the estimator's
     official forward), one set of weights: the checkpoint's, checked against the preset's shape, or random."""
@@ -182,7 +221,8 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
     base = (checkpoint.load(checkpoint.fetch(t.weights, cache_dir), cfg) if t.weights else CodecDecoder(cfg)).eval().to(device)
     base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
     base.official = True
-    ours = CodecDecoder(base.cfg, compiled=t.compile and device.type == "cuda").eval().to(device)
+    cuda = device.type == "cuda"
+    ours = CodecDecoder(base.cfg, compiled=t.compile and cuda, kernels=t.kernels and cuda).eval().to(device)
     ours.load_state_dict(base.state_dict())
     dtype = getattr(torch, t.dtype)
     ours.flow.to(dtype)
@@ -192,15 +232,18 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
 
 
 def stream_decoder(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, VoicePrompt]:
-    """Ours, as `decoders` makes it, and a voice of `prompt_codes` random codes, log-mel and x-vector
-    (no CAM++ here: the x-vector is random too)."""
+    """Ours, as `decoders` makes it, and `voice_of` it."""
     ours, _ = decoders(dataclasses.replace(t, baseline=False), device)
-    cfg, g = ours.cfg.encoder, torch.Generator().manual_seed(t.seed)
+    return ours, voice_of(t, ours)
+
+
+def voice_of(t: CodecTiming, dec: CodecDecoder) -> VoicePrompt:
+    """A voice of `prompt_codes` random codes, log-mel and x-vector (no CAM++ here: the x-vector is random too)."""
+    cfg, g = dec.cfg.encoder, torch.Generator().manual_seed(t.seed)
     codes = torch.randint(0, min(cfg.vocab_size, 16384), (t.prompt_codes,), generator=g)
-    voice = VoicePrompt(
+    return VoicePrompt(
         codes, torch.randn(cfg.mel, t.prompt_codes * cfg.stride, generator=g), torch.randn(cfg.spk_dim, generator=g)
     )
-    return ours, voice
 
 
 def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], object] | None = None) -> dict:
@@ -217,14 +260,24 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         "later": (calls["later"] - chunk) * stride // cf * cf,
     }
     graphs = t.graphs and device.type == "cuda"
+    voice = voice_of(t, ours)
+    base_frames = ours.past_frames(t.prompt_codes)
+    new = -(-((t.prompt_codes + chunk + la) * stride - base_frames) // cf) * cf  # CodecBatch.new_frames
+
+    def runner(variant: str, dec: CodecDecoder, batch: int, call: str, use_graphs: bool) -> Runner:
+        if variant == "ours, slots":
+            return SlotRunner(dec, voice, batch, calls[call], use_graphs, new, cached[call])
+        return Runner(dec, batch, calls[call], t.prompt_codes, use_graphs, cached[call] if variant == "ours, flow cache" else 0)
+
     rows = []
-    variants = [("ours", ours, t.batches, graphs, False)]
-    variants += [("ours, flow cache", ours, t.batches, graphs, True)] if t.flow_cache else []
-    variants += [("baseline", base, (1,), False, False)] if base else []
-    for variant, dec, batches, use_graphs, cache in variants:
+    variants = [("ours", ours, t.batches, graphs)]
+    variants += [("ours, flow cache", ours, t.batches, graphs)] if t.flow_cache else []
+    variants += [("ours, slots", ours, tuple(b for b in t.batches if b <= t.slots), graphs)] if t.slots else []
+    variants += [("baseline", base, (1,), False)] if base else []
+    for variant, dec, batches, use_graphs in variants:
         for call, body in calls.items():
             for batch in batches:
-                run = Runner(dec, batch, body, t.prompt_codes, use_graphs, cached[call] if cache else 0)
+                run = runner(variant, dec, batch, call, use_graphs)
                 row = {"variant": variant, "call": call, "batch": batch, "codes": body + la, "frames": run.frames}
                 row |= {"solved_frames": run.frames - run.start, "past_mib": run.past_bytes() / 2**20}
                 rows.append(row | stage_ms(run, device, t.repeat))
@@ -240,12 +293,13 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         },
         "graphs": graphs,  # whether ours ran from CUDA graphs (asked for, and on CUDA)
         "compiled": ours.compiled,  # whether ours ran its estimator's blocks compiled
+        "kernels": ours.kernels,  # whether the slots ran their transformer blocks as Triton kernels
         "steps": cfg.solver.steps,
         "first_codes": chunk + la,
         "calls": rows,
     }
     if first_codes is not None:
-        run = Runner(ours, 1, calls["first"], t.prompt_codes, graphs)
+        run = runner("ours, slots" if t.slots else "ours", ours, 1, "first", graphs)
 
         def first_audio() -> None:
             first_codes(chunk + la)

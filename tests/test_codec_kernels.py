@@ -1,0 +1,106 @@
+"""The slot pass's transformer block in Triton kernels (workflow/codec/kernels.py) against its torch
+path (slots.SlotPass.transformer), and a stream decoded through the slots with them against one
+without. On the CPU Triton's interpreter runs the kernels, in float32 (held to 1e-5); on CUDA in
+bfloat16 (held to bfloat16's rounding, a few units of its last place)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from workflow.codec import kernels, slots
+from workflow.codec.estimator import TransformerBlock
+from workflow.codec.slots import SlotIndex, SlotPass, row_bias
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # the interpreter runs only where no GPU is (conftest)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_linear_is_layernorm_gemm_gelu_and_residual(device, norm):
+    """Every part of the fused GEMM against torch's: rows and columns that do not fill a block, a
+    reduction over several blocks (K 320 in blocks of 128) or one (with the LayerNorm), the bias, GELU,
+    the residual; and the q/k/v split, its last columns written to pool frames in place."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    atol = 1e-4 if dtype == torch.float32 else 0.05
+    g = torch.Generator().manual_seed(3)
+    x, w, b, r = (torch.randn(*s, generator=g).to(device, dtype) for s in ((37, 320), (48, 320), (48,), (37, 48)))
+    w = w / 16
+    ln = torch.nn.LayerNorm(320).to(device, dtype) if norm else None
+    if ln is not None:
+        ln.weight.data, ln.bias.data = (torch.randn(320, generator=g).to(device, dtype) for _ in range(2))
+    xin = ln(x) if ln is not None else x
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(xin, w, b)) + r
+    got = kernels.linear(x, w, b, norm=ln, gelu=True, residual=r)
+    assert got.shape == (37, 48) and (got.float() - want.float()).abs().max() <= atol
+    pool = torch.zeros(50, 2, 2, 4, device=device, dtype=dtype)  # frames of 16 values: the last 16 columns
+    writes = torch.randperm(50, generator=g)[:37].to(device)
+    q = kernels.linear(x, w, norm=ln, pool=pool, writes=writes)
+    plain = torch.nn.functional.linear(xin, w)
+    assert q.shape == (37, 32) and (q.float() - plain[:, :32].float()).abs().max() <= atol
+    assert (pool.view(50, 16)[writes].float() - plain[:, 32:].float()).abs().max() <= atol
+    assert pool.view(50, 16)[[i for i in range(50) if i not in writes.tolist()]].abs().max() == 0
+
+
+def call(c: int, heads: int, d: int, device: str, dtype: torch.dtype, seed: int = 0) -> tuple:
+    """A block, a call's rows and a pool as FlowSlots makes them: 3 rows x 2 halves; the prompt's 20
+    frames (pool rows 0-1) then each row's own; rows start at frames 20, 27 and 40 with 13, 5 and 0
+    valid new frames (the last a padding row) of Q = 16, chunks of 8 frames."""
+    g = torch.Generator().manual_seed(seed)
+    b = TransformerBlock(c, heads, d)
+    for p in b.parameters():
+        p.data = torch.randn(p.shape, generator=g) * (0.5 if p.dim() > 1 else 1.0) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 1)
+    b = b.to(device, dtype)
+    frames, base, q = 64, 20, 16
+    rows = 2 * (2 + 3)  # prompt, scratch, three slots
+    pool = torch.randn(rows * frames, 2, heads, d, generator=g).to(device, dtype)
+    starts, valid = torch.tensor([20, 27, 40] * 2), torch.tensor([13, 5, 0] * 2)
+    row = torch.tensor([2, 3, 4] * 2) * 2 + torch.arange(2).repeat_interleave(3)
+    prompt = torch.arange(2).repeat_interleave(3)
+    j = torch.arange(60)[None]
+    keys = torch.where(j < base, prompt[:, None] * frames + j, row[:, None] * frames + (j - base).clamp(0, frames - 1))
+    writes = row[:, None] * frames + (starts[:, None] - base + torch.arange(q)).clamp(0, frames - 1)
+    ix = SlotIndex(*(t.to(device) for t in (starts, valid, keys, writes, starts, starts)))
+    h = torch.randn(6, q, c, generator=g).to(device, dtype)
+    return b, h, pool, ix
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("c", "heads", "d"), [(32, 2, 16), (32, 2, 8), (64, 4, 32)])
+def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d):
+    """Output of every valid frame, and the pool after the call (the new keys and values written
+    where the call writes, nothing else touched), for head widths of 16, 8 (padded to the 16 a
+    Triton dot needs) and 32."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    b, h, pool, ix = call(c, heads, d, device, dtype)
+    theirs_pool, ours_pool = pool.clone(), pool.clone()
+    torch_path = types.SimpleNamespace(kernels=False, qkv=slots.qkv, out=slots.out)
+    view = types.SimpleNamespace(kv={b.attn1: theirs_pool}, ix=ix)
+    with torch.no_grad():
+        theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
+        ours = kernels.block(b, h, ours_pool, ix.keys, ix.writes, ix.starts, ix.valid, 8)
+    atol = 1e-5 if dtype == torch.float32 else 0.05
+    for r, n in enumerate(ix.valid.tolist()):
+        assert n == 0 or (ours[r, :n].float() - theirs[r, :n].float()).abs().max() <= atol, r
+    assert (ours_pool.float() - theirs_pool.float()).abs().max() <= atol
+    written = torch.zeros(pool.shape[0], dtype=torch.bool, device=device)
+    written[ix.writes.flatten()] = True
+    assert torch.equal(ours_pool[~written], pool[~written]) and not torch.equal(ours_pool[written], pool[written])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_bug_fails_it(device):
+    """The check can fail: attention that lets a query see its whole row (no chunk mask) gives other
+    values for the frames of every chunk but the row's last."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    b, h, pool, ix = call(32, 2, 16, device, dtype)
+    torch_path = types.SimpleNamespace(kernels=False, qkv=slots.qkv, out=slots.out)
+    with torch.no_grad():
+        view = types.SimpleNamespace(kv={b.attn1: pool.clone()}, ix=ix)
+        theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
+        ours = kernels.block(b, h, pool.clone(), ix.keys, ix.writes, ix.starts, ix.valid, 1 << 20)
+    assert (ours[0, :4].float() - theirs[0, :4].float()).abs().max() > 0.05
