@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workflow.codec import kernels, slots
-from workflow.codec.estimator import CausalResnetBlock1D, TransformerBlock
+from workflow.codec.estimator import TransformerBlock
 from workflow.codec.slots import SlotIndex, SlotPass, row_bias
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
@@ -104,31 +104,3 @@ def test_a_seeded_bug_fails_it(device):
         theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
         ours = kernels.block(b, h, pool.clone(), ix.keys, ix.writes, ix.starts, ix.valid, 1 << 20)
     assert (ours[0, :4].float() - theirs[0, :4].float()).abs().max() > 0.05
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cin", [32, 80])
-def test_resnet_in_kernels_is_the_torch_slot_pass(device, cin):
-    """A resnet against its convolutions' tails, as slots.resnet computes it: every valid frame and
-    each convolution's next tail (a row's last two valid input frames), for rows with 11, 1 and 0 valid
-    frames of 12 (the last two reach into the tail), an input wider than the output (its 1x1 residual
-    convolution over 80 channels), the tails views of a wider pool row as the slot view gives them."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    atol = 1e-5 if dtype == torch.float32 else 0.05
-    g = torch.Generator().manual_seed(6)
-    r = CausalResnetBlock1D(cin, 32, 128)
-    for p in r.parameters():
-        p.data = torch.randn(p.shape, generator=g) / (p[0].numel() ** 0.5 if p.dim() > 1 else 1)
-    r = r.to(device, dtype)
-    x = torch.randn(3, 12, cin, generator=g).to(device, dtype)
-    temb = torch.randn(3, 128, generator=g).to(device, dtype)
-    before = torch.randn(3, 7 + 2 * cin + 2 * 32, generator=g).to(device, dtype)  # a pool row: other convolutions' tails too
-    tails = (before[:, 7 : 7 + 2 * cin].view(3, 2, cin), before[:, 7 + 2 * cin :].view(3, 2, 32))
-    valid = torch.tensor([11, 1, 0], device=device)
-    with torch.no_grad():
-        want = slots.resnet(r, x, temb, tails, valid)
-        got = kernels.resnet(r, x, temb, tails, valid)
-    for i, n in enumerate(valid.tolist()):
-        assert n == 0 or (got[0][i, :n].float() - want[0][i, :n].float()).abs().max() <= atol, i
-    for k in (1, 2):
-        assert got[k].shape == want[k].shape and (got[k].float() - want[k].float()).abs().max() <= atol, k

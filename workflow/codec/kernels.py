@@ -164,62 +164,6 @@ if triton is not None:
         out = y_ptr + (r * Q + i)[:, None] * inner + h * D + d[None, :]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
-    def _conv(
-        x_ptr, t_ptr, w_ptr, b_ptr, g_ptr, be_ptr, a_ptr, rx_ptr, rw_ptr, rb_ptr, y_ptr, kept_ptr, valid_ptr,
-        M, Q, t_stride, eps,
-        CIN: tl.constexpr, RIN: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-        ADD: tl.constexpr, RES: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        """y [M = R * Q, N] = Mish(LayerNorm(conv(x) + b)) [+ a[r]] [+ rx @ rw.T + rb]: conv, a causal
-        convolution (k = 3, weight [N, CIN, 3]) over row r's frames [its 2 tail frames | x's Q frames],
-        x1 frame v being tail frame v (v < 2) or x frame v - 2; it also writes x1 frames valid[r] and
-        valid[r] + 1 (the row's last two valid input frames, its next call's tail) to kept [R, 2, CIN]."""
-        m = tl.program_id(0) * BM + tl.arange(0, BM)
-        n = tl.arange(0, NP)
-        m_ok, n_ok = m < M, n < N
-        r, t = m // Q, m % Q
-        valid = tl.load(valid_ptr + r, mask=m_ok, other=0)
-        dt = x_ptr.dtype.element_ty
-        acc = tl.zeros((BM, NP), tl.float32)
-        for j in tl.static_range(3):
-            v = t + j
-            from_x = (v >= 2)[:, None]
-            keep = m_ok & (v >= valid) & (v < valid + 2)
-            for c0 in range(0, CIN, BK):
-                c = c0 + tl.arange(0, BK)
-                ok = m_ok[:, None] & (c < CIN)[None, :]
-                at = tl.where(from_x, x_ptr + (r * Q + v - 2)[:, None] * CIN, t_ptr + r[:, None] * t_stride + v[:, None] * CIN)
-                xa = tl.load(at + c[None, :], mask=ok, other=0.0)
-                tl.store(kept_ptr + (r * 2 + v - valid)[:, None] * CIN + c[None, :], xa, mask=ok & keep[:, None])
-                w = tl.load(
-                    w_ptr + n[None, :] * (CIN * 3) + c[:, None] * 3 + j, mask=n_ok[None, :] & (c < CIN)[:, None], other=0.0
-                )
-                acc = tl.dot(xa, w, acc, input_precision=PRECISION)
-        y = (acc + tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-        mean = tl.sum(tl.where(n_ok[None, :], y, 0.0), axis=1) / N
-        yc = tl.where(n_ok[None, :], y - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(yc * yc, axis=1) / N + eps)
-        gamma = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        beta = tl.load(be_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        y = (yc * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dt).to(tl.float32)
-        soft = tl.where(y > 20.0, y, tl.log(1.0 + tl.exp(tl.minimum(y, 20.0))))  # softplus, torch's threshold
-        e = tl.exp(-2.0 * soft)
-        y = (y * (1.0 - e) / (1.0 + e)).to(dt)  # Mish: y tanh(softplus(y)), softplus >= 0
-        ok = m_ok[:, None] & n_ok[None, :]
-        if ADD:
-            y = (y.to(tl.float32) + tl.load(a_ptr + r[:, None] * N + n[None, :], mask=ok, other=0.0).to(tl.float32)).to(dt)
-        if RES:  # the resnet's 1x1 convolution of its input, added
-            acc = tl.zeros((BM, NP), tl.float32)
-            for c0 in range(0, RIN, BK):
-                c = c0 + tl.arange(0, BK)
-                xr = tl.load(rx_ptr + m[:, None] * RIN + c[None, :], mask=m_ok[:, None] & (c < RIN)[None, :], other=0.0)
-                wr = tl.load(rw_ptr + n[None, :] * RIN + c[:, None], mask=n_ok[None, :] & (c < RIN)[:, None], other=0.0)
-                acc = tl.dot(xr, wr, acc, input_precision=PRECISION)
-            res = (acc + tl.load(rb_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
-        tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=ok)
-
 
 def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -291,42 +235,3 @@ def block(
     h = linear(y.view(r * nq, -1), a.to_out[0].weight, a.to_out[0].bias, residual=x)
     g = linear(h, ff[0].proj.weight, ff[0].proj.bias, norm=b.norm3, gelu=True)
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)
-
-
-def conv_block(
-    conv: torch.nn.Conv1d, norm: torch.nn.LayerNorm, x: Tensor, tail: Tensor, valid: Tensor,
-    add: Tensor | None = None, res: tuple[torch.nn.Conv1d, Tensor] | None = None, bm: int = 0, bk: int = 64, warps: int = 4,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """A CausalBlock1D (k = 3 causal convolution, LayerNorm, Mish) over x [R, Q, C_in] after its left
-    context `tail` [R, 2, C_in] (frames and channels contiguous), then + add [R, N] per row, then +
-    res's 1x1 convolution of its input [R, Q, C_res] -> (y [R, Q, N], the row's last two valid input
-    frames [R, 2, C_in]: its next call's tail)."""
-    r, q, cin = x.shape
-    n = conv.out_channels
-    if conv.kernel_size[0] != 3 or tail.shape[1:] != (2, cin) or tail.stride(2) != 1 or tail.stride(1) != cin:
-        raise ValueError(
-            f"conv_block: a k=3 convolution after a [R, 2, {cin}] tail, got {conv.kernel_size} and {tuple(tail.shape)}"
-        )
-    x = x.contiguous()
-    y, kept = x.new_empty(r, q, n), x.new_empty(r, 2, cin)
-    rconv, rx = res if res is not None else (conv, x)
-    rx = rx.contiguous()
-    bm = bm or (16 if r * q <= 1024 else 64)
-    _conv[(triton.cdiv(r * q, bm),)](
-        x, tail, conv.weight, conv.bias, norm.weight, norm.bias, add if add is not None else x, rx, rconv.weight,
-        rconv.bias, y, kept, valid, r * q, q, tail.stride(0), norm.eps, CIN=cin, RIN=rx.shape[-1], N=n, NP=_pow2(n),
-        BM=bm, BK=bk, ADD=add is not None, RES=res is not None, PRECISION=_precision(x), num_warps=warps,
-    )  # fmt: skip
-    return y, kept
-
-
-def resnet(
-    r: torch.nn.Module, x: Tensor, temb: Tensor, tails: tuple[Tensor, Tensor], valid: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """slots.resnet (a CausalResnetBlock1D against its convolutions' tails) in two kernels, and the time
-    embedding's projection: (out, each convolution's next tail)."""
-    (c1, _, n1), (c2, _, n2) = r.block1.block, r.block2.block
-    add = torch.nn.functional.linear(temb, r.mlp[1].weight, r.mlp[1].bias)
-    h, kept1 = conv_block(c1, n1, x, tails[0], valid, add=add)
-    out, kept2 = conv_block(c2, n2, h, tails[1], valid, res=(r.res_conv, x))
-    return out, kept1, kept2

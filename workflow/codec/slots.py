@@ -249,7 +249,7 @@ class SlotPass:
     """The estimator's fast pass (fast.py) against a call's slot view: the same U-Net, each row's
     mask shifted by its own first frame. With the decoder's blocks compiled, so are the transformer
     blocks' parts around the attention (the pools are read and written eager, between them); with its
-    `kernels`, a transformer block is five Triton kernels and a resnet two (kernels.py)."""
+    `kernels`, the transformer blocks are five Triton kernels each (kernels.py)."""
 
     def __init__(self, decoder: CodecDecoder) -> None:
         self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
@@ -262,8 +262,6 @@ class SlotPass:
             if compiled
             else (qkv, out, resnet)
         )
-        if self.kernels:
-            self.resnet = kernels.resnet
 
     def res(self, r: CausalResnetBlock1D, x: Tensor, temb: Tensor, view: SlotView) -> Tensor:
         c1, c2 = r.block1.block[0], r.block2.block[0]
