@@ -37,11 +37,11 @@ except ImportError:  # the torch path runs without it
 class Tile:
     """A launch's blocking: rows (bm), columns (bn) and reduction (bk) a program, warps, pipeline stages."""
 
-    bm: int = 16
-    bn: int = 128
-    bk: int = 64
-    warps: int = 4
-    stages: int = 3
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
 
 
 BLOCK_KEYS, ATTENTION_WARPS = 128, 4  # attention: keys a step of a program's loop
