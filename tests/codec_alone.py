@@ -20,6 +20,14 @@ SPC = TINY.encoder.stride * TINY.hift.hop  # 1920 samples a code
 ATOL_PCM = 1e-5  # observed <= 7e-7 on peaks of ~0.87
 
 
+def voice_of(codes: int) -> VoicePrompt:
+    """A voice prompt of `codes` random codes (below 1000), its log-mel (4 frames a code) and x-vector, seed 1."""
+    g = torch.Generator().manual_seed(1)
+    return VoicePrompt(
+        torch.randint(0, 1000, (codes,), generator=g), torch.randn(80, 4 * codes, generator=g), torch.randn(192, generator=g)
+    )
+
+
 def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tensor, chunk: int) -> torch.Tensor:
     """Stream `key`'s PCM (its source noise seeded by its key, as `CodecBatch` seeds it), pushed `chunk` codes at a time."""
     s = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + key), flow_cache=False)

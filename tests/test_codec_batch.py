@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from codec_alone import ATOL_PCM, SPC, TINY, alone, in_steps
+from codec_alone import ATOL_PCM, SPC, TINY, alone, in_steps, voice_of
 
 from workflow.codec.batch import CodecBatch, CodecLanes
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
@@ -30,8 +30,7 @@ def decoder(codec_decoder) -> CodecDecoder:
 
 @pytest.fixture(scope="module")
 def voice() -> VoicePrompt:
-    g = torch.Generator().manual_seed(1)
-    return VoicePrompt(torch.randint(0, 1000, (7,), generator=g), torch.randn(80, 28, generator=g), torch.randn(192, generator=g))
+    return voice_of(7)
 
 
 def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder, voice):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_alone import ATOL_PCM, SPC, alone, in_steps
+from codec_alone import ATOL_PCM, SPC, alone, in_steps, voice_of
 
 from workflow.codec.batch import CodecBatch
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
@@ -29,10 +29,7 @@ def decoder(codec_decoder) -> CodecDecoder:
 @pytest.fixture(scope="module")
 def voice() -> VoicePrompt:
     """12 codes: the prompt's past holds one whole chunk (20 frames), which every stream reads."""
-    g = torch.Generator().manual_seed(1)
-    return VoicePrompt(
-        torch.randint(0, 1000, (12,), generator=g), torch.randn(80, 48, generator=g), torch.randn(192, generator=g)
-    )
+    return voice_of(12)
 
 
 def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):

@@ -23,6 +23,7 @@ Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -256,12 +257,9 @@ class SlotPass:
         if decoder.kernels and not kernels.available():
             raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
         self.kernels = decoder.kernels
-        compiled = decoder.compiled
-        self.qkv, self.out, self.resnet = (
-            (torch.compile(qkv, dynamic=True), torch.compile(out, dynamic=True), torch.compile(resnet, dynamic=True))
-            if compiled
-            else (qkv, out, resnet)
-        )
+        wrap = functools.partial(torch.compile, dynamic=True) if decoder.compiled else lambda f: f
+        self.resnet = wrap(resnet)
+        self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
 
     def res(self, r: CausalResnetBlock1D, x: Tensor, temb: Tensor, view: SlotView) -> Tensor:
         c1, c2 = r.block1.block[0], r.block2.block[0]
