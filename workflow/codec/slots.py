@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workflow.codec import kernels, resnets
+from workflow.codec import kernels
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
 from workflow.codec.fast import ALIGN, conv, windowed
@@ -250,7 +250,7 @@ class SlotPass:
     """The estimator's fast pass (fast.py) against a call's slot view: the same U-Net, each row's
     mask shifted by its own first frame. With the decoder's blocks compiled, so are the transformer
     blocks' parts around the attention (the pools are read and written eager, between them); with its
-    `kernels`, a transformer block is five Triton kernels (kernels.py) and a resnet three (resnets.py)."""
+    `kernels`, the transformer blocks are five Triton kernels each (kernels.py)."""
 
     def __init__(self, decoder: CodecDecoder) -> None:
         self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
@@ -258,7 +258,7 @@ class SlotPass:
             raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
         self.kernels = decoder.kernels
         wrap = functools.partial(torch.compile, dynamic=True) if decoder.compiled else lambda f: f
-        self.resnet = resnets.resnet if self.kernels else wrap(resnet)
+        self.resnet = wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
 
     def res(self, r: CausalResnetBlock1D, x: Tensor, temb: Tensor, view: SlotView) -> Tensor:
