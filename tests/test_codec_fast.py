@@ -119,3 +119,37 @@ def test_compiled_blocks_give_the_official_forwards_frames_at_any_shape(device, 
             want = est(x, mask, mu, tt, spks, cond, streaming=streaming)
             got = fast(x, mask, mu, tt, spks, cond, streaming=streaming)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("wrap", ["compile_block", "torch.compile"])
+def test_compiled_blocks_stay_compiled_at_every_shape_serving_makes(wrap):
+    """Dynamic shapes still compile a block again per input channel count and where a row count of
+    1 or 2 specializes: the slots' three resnet kinds at rows 1, 2 and more are 9 versions. Past
+    torch's default limit of 8 the next one would run eager, silently; `compile_block` keeps them all
+    (here a hit of the limit raises). torch.compile alone, the seeded bug, hits it."""
+    from workflow.codec import slots
+    from workflow.codec.estimator import CausalResnetBlock1D
+    from workflow.codec.fast import compile_block
+
+    torch._dynamo.reset()
+    block = compile_block(slots.resnet) if wrap == "compile_block" else torch.compile(slots.resnet, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+
+    def run_all() -> None:
+        mods = [CausalResnetBlock1D(cin, 8, 16) for cin in (12, 8, 16)]  # the down resnet's input, the mid ones', the up one's
+        for rows in (2, 4, 1):  # as serving meets them: one stream (2 rows with guidance), more, a lone row (no guidance)
+            for r in mods:
+                cin = r.block1.block[0].in_channels
+                x, temb = torch.randn(rows, 5, cin, generator=g), torch.randn(rows, 16, generator=g)
+                tails = (torch.randn(rows, 2, cin, generator=g), torch.randn(rows, 2, 8, generator=g))
+                with torch.no_grad():
+                    got = block(r, x, temb, tails, torch.full((rows,), 3))
+                    want = slots.resnet(r, x, temb, tails, torch.full((rows,), 3))
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        if wrap == "compile_block":
+            run_all()
+        else:
+            with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                run_all()

@@ -43,6 +43,7 @@ from workflow.codec.estimator import (
 )
 
 ALIGN = 8  # elements: the memory-efficient attention kernel's alignment of its mask's rows
+COMPILES = 64  # compiled versions kept per block function (torch's default, 8, is fewer than serving's shapes)
 
 
 class Tails(Protocol):
@@ -101,6 +102,14 @@ def transformer(b: nn.Module, h: Tensor, bias: Tensor, past: Past | None = None)
     return b(h, bias[:, 0], past)
 
 
+def compile_block(fn: Callable) -> Callable:
+    """fn through torch.compile with dynamic shapes. A block is still compiled once per input channel
+    count, and again where a row count of 1 or 2 specializes (2 also equals a convolution's left
+    context): the three resnet kinds at serving's row counts need 9 versions. Past torch's default
+    limit of 8 a new shape runs eager, silently, so up to COMPILES are kept."""
+    return torch._dynamo.config.patch(recompile_limit=COMPILES)(torch.compile(fn, dynamic=True))
+
+
 class FastEstimator:
     """Called like the estimator (solver.Estimator), with the same result: see the module docstring.
 
@@ -111,7 +120,7 @@ class FastEstimator:
 
     def __init__(self, est: CausalConditionalDecoder, compiled: bool = False) -> None:
         self.est = est  # wrapped here, not at import: importing torch.compile's machinery costs seconds
-        self.blocks = (torch.compile(resnet, dynamic=True), torch.compile(transformer, dynamic=True)) if compiled else None
+        self.blocks = (compile_block(resnet), compile_block(transformer)) if compiled else None
 
     @property
     def compiled(self) -> bool:

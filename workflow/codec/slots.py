@@ -23,7 +23,6 @@ Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,7 +32,7 @@ from torch import Tensor, nn
 from workflow.codec import kernels
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
-from workflow.codec.fast import ALIGN, conv, windowed
+from workflow.codec.fast import ALIGN, compile_block, conv, windowed
 from workflow.codec.solver import solve
 
 
@@ -257,7 +256,7 @@ class SlotPass:
         if decoder.kernels and not kernels.available():
             raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
         self.kernels = decoder.kernels
-        wrap = functools.partial(torch.compile, dynamic=True) if decoder.compiled else lambda f: f
+        wrap = compile_block if decoder.compiled else lambda f: f
         self.resnet = wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
 
