@@ -50,6 +50,26 @@ def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder,
         assert (mine - own).abs().max() <= ATOL_PCM, k
 
 
+def test_hift_runs_the_calls_of_one_shape_together(decoder, voice, monkeypatch):
+    """Three streams in step: each HiFT round is one pass over all three (their F0, NSF sources, each
+    continued from its own stream's, and network together: at their start, then continuing), and each
+    stream's PCM is still its own alone."""
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (17,), generator=g) for k in (1, 2, 3)}
+    passes: list[tuple[int, bool]] = []
+    hift_calls = CodecDecoder.hift_calls
+
+    def counted(self, mel, noise, before=None, *, context=0):
+        passes.append((mel.shape[0], before is None))
+        return hift_calls(self, mel, noise, before, context=context)
+
+    monkeypatch.setattr(CodecDecoder, "hift_calls", counted)
+    got = in_steps(CodecBatch(decoder, voice), codes, dict.fromkeys(codes, 0), 5)
+    assert passes and all(n == 3 for n, _ in passes) and {fresh for _, fresh in passes} == {True, False}
+    for k in codes:
+        assert (got[k] - alone(decoder, voice, k, codes[k], 5)).abs().max() <= ATOL_PCM, k
+
+
 def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
     """The first PCM needs a chunk, the prompt's alignment pad and the lookahead: 5 + 3 + 3 for a 7-code prompt."""
     batch = CodecBatch(decoder, voice)

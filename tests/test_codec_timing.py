@@ -22,8 +22,13 @@ def test_the_timed_stages_are_the_decoders_own_computation():
     want = solve(ours.velocity, mu, run.mask, run.spks, run.cond, ours.cfg.solver, True, ours.noise)
     assert torch.equal(run.solve(), want)
     assert run.ode_step().shape == (4, 80, 60)  # guidance: the conditioned and unconditioned halves
-    want, _ = ours.hift(run.mel, generator=torch.Generator().manual_seed(0))  # HiFT's own forward, the same noise
-    assert torch.equal(run.hift(), want) and want.shape == (2, (8 + 20) * 480)
+    ctx = run.mel.shape[2] - (8 + 20)  # the F0 predictor's context frames, then the cached and the new
+    for i, got in enumerate(run.hift()):  # each stream's call as CodecStream makes it: F0, its source continued, the network
+        f0 = ours.hift.f0_predictor(run.mel[i : i + 1])[0, ctx:]
+        source, _ = ours.source(f0, run.noise[i], run.before[i])
+        want = ours.hift.decode(run.mel[i : i + 1, :, ctx:], source[None, None])[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert want.shape == ((8 + 20) * 480,)
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), ours.state_dict().values(), strict=True))
     cached = Runner(ours, batch=2, body=15, prompt_codes=10, graphs=False, past_frames=20)  # the flow cache
     torch.testing.assert_close(cached.solve(), run.solve()[..., 20:], rtol=0, atol=1e-5)

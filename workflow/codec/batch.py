@@ -14,9 +14,10 @@ and the others' apart:
   (keys past a frame's chunk are never read, convolutions look left), so each row gives what its
   stream gives alone. With `pad_frames` the frames are padded to a multiple of it and the rows to
   `bucket(n)`: on CUDA the whole flow (front end and solve) is a graph per shape and lane;
-- HiFT: each stream's F0 and NSF source (continued from its own, stream.py), then HiFT's network
-  over every call of one frame count at once (on CUDA a graph per shape and lane; a stream's
-  last call, of any length, runs eager), then each stream's cross-fade.
+- HiFT: the calls of one shape (frames, F0 context, at a stream's start or not) at once: their F0,
+  NSF sources (each continued from its own stream's: stream.py) and network in one pass (on CUDA a
+  graph per shape and lane; a stream's last call, of any length, runs eager); then each stream's
+  cross-fade. Only the source noise is drawn stream by stream, on the host.
 
 A stream with two calls in one step (the chunk's, then its last) has them in two rounds. Streams
 never share state, so each stream's PCM is what it gives alone, up to the rounding of batched
@@ -250,25 +251,31 @@ class CodecBatch:
         return [mel[i, :, p + c.offset * stride - starts[i] : ends[i] - starts[i]] for i, c in enumerate(calls)]
 
     def hift(self, calls: list[tuple[CodecStream, Tensor]], final: list[bool]) -> list[Tensor]:
-        """HiFT over one call of each stream: sources one by one, the network by frame count."""
-        excited = [s.excite(m) for s, m in calls]
-        out: list[Tensor | None] = [None] * len(calls)
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for i, (mel, _, _) in enumerate(excited):
-            groups.setdefault((mel.shape[1], final[i]), []).append(i)
-        for (_, last), idx in groups.items():
+        """HiFT over one call of each stream, streams of one shape at once: each group's F0, NSF source
+        (each stream's continued from its own) and network in one pass (a graph on CUDA)."""
+        prepared = [s.prepare(m) for s, m in calls]
+        out: list[tuple[Tensor, Tensor] | None] = [None] * len(calls)
+        groups: dict[tuple[int, int, bool, bool], list[int]] = {}
+        for i, x in enumerate(prepared):
+            groups.setdefault((x.mel.shape[1], x.context, x.before is None, final[i]), []).append(i)
+        for (_, context, fresh, last), idx in groups.items():
             n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
-            idx_padded = idx + [idx[-1]] * (n - len(idx))
-            mel = torch.stack([excited[i][0] for i in idx_padded])
-            source = torch.stack([excited[i][1] for i in idx_padded])[:, None]
+            rows = [prepared[i] for i in idx + [idx[-1]] * (n - len(idx))]
+            args = [torch.stack([x.mel for x in rows]), torch.stack([x.noise for x in rows])]
+            args += [] if fresh else [torch.stack([x.before for x in rows])]  # type: ignore[misc]
+            vocode = functools.partial(self.decoder.hift_calls, context=context)
             if self.graphs is not None and not last:  # a last call's frames vary: eager
-                prio = torch.cuda.current_stream(mel.device).priority
-                pcm = self.graphs.call(("hift", tuple(mel.shape), prio), self.decoder.hift.decode, mel, source).clone()
+                prio = torch.cuda.current_stream(args[0].device).priority
+                key = ("hift", tuple(args[0].shape), context, fresh, prio)
+                pcm, cycles = (t.clone() for t in self.graphs.call(key, vocode, *args))
             else:
-                pcm = self.decoder.hift.decode(mel, source)
+                pcm, cycles = vocode(*args)
             for j, i in enumerate(idx):
-                out[i] = pcm[j]
-        return [s.settle(x, state, f) for (s, _), x, (_, _, state), f in zip(calls, out, excited, final, strict=True)]
+                out[i] = pcm[j], cycles[j]
+        return [
+            s.settle(pcm, x.state(cycles), f)
+            for (s, _), x, (pcm, cycles), f in zip(calls, prepared, out, final, strict=True)  # type: ignore[misc]
+        ]
 
 
 class CodecSpeech:

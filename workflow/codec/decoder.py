@@ -92,25 +92,26 @@ class NsfSource:
         return n.reshape(-1, self.width).to(device)
 
     def cycles(self, f0: Tensor, before: Tensor | None = None) -> Tensor:
-        """Cycles of each harmonic at each frame's centre, [F, width] float64, counted on from `before`
-        (the cycles at the previous frame, [width]) or from zero at the utterance start."""
+        """Cycles of each harmonic at each frame's centre, [..., F, width] float64 from f0 [..., F], counted
+        on from `before` (the cycles at the previous frame, [..., width]) or from zero at the utterance start."""
         k = torch.arange(1, self.width + 1, device=f0.device, dtype=torch.float64)
-        per_frame = self.cfg.hop * ((f0.double()[:, None] * k / self.cfg.sampling_rate) % 1)
-        c = per_frame.cumsum(0)
-        return c if before is None else c + before
+        per_frame = self.cfg.hop * ((f0.double()[..., None] * k / self.cfg.sampling_rate) % 1)
+        c = per_frame.cumsum(-2)
+        return c if before is None else c + before[..., None, :]
 
     def __call__(self, f0: Tensor, noise: Tensor, before: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """f0 [F] (Hz), noise [F * hop, width], `before` as in `cycles` -> (source [F * hop], cycles [F, width])."""
+        """f0 [..., F] (Hz), noise [..., F * hop, width], `before` as in `cycles` -> (source [..., F * hop],
+        cycles [..., F, width]); leading dimensions are streams, each its own."""
         cfg, hop = self.cfg, self.cfg.hop
         c = self.cycles(f0, before)
-        left = c[:1] if before is None else before[None]
-        ext = torch.cat([left, c, c[-1:]])  # centres -1 .. F: the first and last with their neighbour or held
-        pos = (torch.arange(c.shape[0] * hop, device=f0.device, dtype=torch.float64) + 0.5) / hop + 0.5
+        left = c[..., :1, :] if before is None else before[..., None, :]
+        ext = torch.cat([left, c, c[..., -1:, :]], dim=-2)  # centres -1 .. F: the first and last with their neighbour or held
+        pos = (torch.arange(c.shape[-2] * hop, device=f0.device, dtype=torch.float64) + 0.5) / hop + 0.5
         i = pos.floor().long()
         w = (pos - i)[:, None]
-        phase = ext[i] * (1 - w) + ext[i + 1] * w
+        phase = ext[..., i, :] * (1 - w) + ext[..., i + 1, :] * w
         sines = torch.sin(2 * torch.pi * (phase - phase.floor())).to(noise.dtype)
-        return torch.tanh(self.merge(excitation(sines, f0, noise.to(f0.device), cfg)))[:, 0], c
+        return torch.tanh(self.merge(excitation(sines, f0, noise.to(f0.device), cfg)))[..., 0], c
 
 
 class CodecDecoder(nn.Module):
@@ -247,9 +248,16 @@ class CodecDecoder(nn.Module):
         """HiFT over a whole utterance's mel [mels, F] -> PCM [F * hop], source noise from `generator`."""
         if generator is None:
             generator = torch.Generator().manual_seed(DEFAULT_SEED)  # CPU: see NsfSource.noise
-        f0 = self.hift.f0_predictor(mel[None])[0]
-        source, _ = self.source(f0, self.source.noise(mel.shape[1], generator, mel.device))
-        return self.hift.decode(mel[None], source[None, None])[0]
+        pcm, _ = self.hift_calls(mel[None], self.source.noise(mel.shape[1], generator, mel.device)[None])
+        return pcm[0]
+
+    def hift_calls(self, mel: Tensor, noise: Tensor, before: Tensor | None = None, *, context: int = 0) -> tuple[Tensor, Tensor]:
+        """HiFT calls of one shape, one a stream: mel [n, mels, context + F] (the first `context` frames only
+        for the F0 predictor's reach), the source noise [n, F * hop, width], the source's cycles before
+        [n, width] (None: at the utterance start) -> (PCM [n, F * hop], the cycles [n, F, width])."""
+        f0 = self.hift.f0_predictor(mel)[:, context:]
+        source, cycles = self.source(f0, noise, before)
+        return self.hift.decode(mel[:, :, context:], source[:, None]), cycles
 
     @torch.inference_mode()
     def whole(

@@ -66,6 +66,24 @@ class FlowCall:
     finalize: bool
 
 
+@dataclass(frozen=True)
+class Excitation:
+    """One stream's part of a HiFT call: its mel frames [mels, context + F] from frame `first` (the first
+    `context` only for the F0 predictor's reach), the source noise of the F frames, the source's cycles
+    before them (None at the utterance start), and the frame after the new ones (`end`)."""
+
+    mel: Tensor
+    context: int
+    noise: Tensor
+    before: Tensor | None
+    first: int
+    end: int
+
+    def state(self, cycles: Tensor) -> tuple:
+        """What `CodecStream.settle` needs, with the call's cycles [F, width]."""
+        return self.mel, self.first, self.end, self.noise, cycles
+
+
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
 
 
@@ -200,18 +218,21 @@ class CodecStream:
 
     def excite(self, new: Tensor) -> tuple[Tensor, Tensor, tuple]:
         """A HiFT call's inputs, one stream's part: the mel [mels, F] (the cached frames, then the new) and
-        its NSF source [F * hop], and what `settle` needs after HiFT's network (which `codec.batch` runs
-        over many streams' calls at once)."""
-        dec = self.decoder
+        its NSF source [F * hop], and what `settle` needs after HiFT's network."""
+        x = self.prepare(new)
+        f0 = self.decoder.hift.f0_predictor(x.mel[None])[0, x.context :]  # frames before the call's are context only
+        source, cycles = self.decoder.source(f0, x.noise, x.before)
+        return x.mel[:, x.context :], source, x.state(cycles)
+
+    def prepare(self, new: Tensor) -> Excitation:
+        """What a HiFT call over the new frames [mels, n] needs of this stream, before any of it is computed
+        (`excite` computes it for this stream alone; `codec.batch` for many streams' calls at once)."""
         a, end = self.start, self.frames + new.shape[1]
         mel = torch.cat([self.mel_tail, new], dim=1)  # frames [first, end)
         first = end - mel.shape[1]
-        f0 = dec.hift.f0_predictor(mel[None])[0, a - first :]  # frames before `a` are context only
-        drawn = dec.source.noise(new.shape[1], self.generator)  # on the generator's device (CPU): pinned, then copied
+        drawn = self.decoder.source.noise(new.shape[1], self.generator)  # on the generator's device (CPU): pinned, then copied
         drawn = (drawn.pin_memory() if new.is_cuda else drawn).to(new.device, non_blocking=True)
-        noise = torch.cat([self.noise_tail, drawn])
-        source, cycles = dec.source(f0, noise, self.cycles)
-        return mel[:, a - first :], source, (mel, first, end, noise, cycles)
+        return Excitation(mel, a - first, torch.cat([self.noise_tail, drawn]), self.cycles, first, end)
 
     def settle(self, pcm: Tensor, state: tuple, final: bool) -> Tensor:
         """After HiFT's network: cross-fade the head with the held tail, hold back the new tail unless

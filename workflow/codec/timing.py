@@ -16,8 +16,9 @@ Three ways to run it, on the same weights (random, of the preset's shape, or the
   batched call, eager;
 - ours: `dtype`, the estimator's fast pass (fast.py), every frame each call (what the benchmark's
   stream runs on CUDA), and on CUDA the front end, one ODE step and the whole solve each replayed
-  from a CUDA graph per shape; HiFT (float32) runs every stream's frames at once, its network and
-  iSTFT from a graph, its NSF source eager (its noise comes from a generator);
+  from a CUDA graph per shape; HiFT (float32) runs every stream's frames at once as serving does
+  (`CodecDecoder.hift_calls`: F0, each stream's NSF source continued, the network and iSTFT), from a
+  graph;
 - `flow_cache` ("ours, flow cache"): ours solving only the new frames against the cached past
   (graphed per past length here), the cache's A/B. Its past costs ~2.3 MB a frame a stream at the
   true shape in bf16, twice that while a call copies it;
@@ -43,10 +44,11 @@ import torch
 from workflow import roofline
 from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
-from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.slots import FlowSlots
 from workflow.codec.solver import solve
+from workflow.codec.stream import MEL_CACHE
 from workflow.cudagraphs import Graphs
 from workflow.report import percentiles
 
@@ -116,9 +118,10 @@ class Runner:
                     dec.noise,
                     self.past,
                 )
-        self.mel = torch.randn(batch, cfg.encoder.mel, 8 + self.new, generator=g).to(dev)
-        self.source = torch.zeros(batch, 1, (8 + self.new) * cfg.hift.hop, device=dev)
-        self.noise = torch.Generator(dev).manual_seed(0)
+        self.vocoded = MEL_CACHE + self.new  # a later call's HiFT frames: the cached, then the new
+        self.mel = torch.randn(batch, cfg.encoder.mel, F0_RADIUS + 1 + self.vocoded, generator=g).to(dev)
+        self.noise = torch.randn(batch, self.vocoded * cfg.hift.hop, dec.source.width, generator=g).to(dev)
+        self.before = torch.zeros(batch, dec.source.width, dtype=torch.float64, device=dev)
         self.graphs = Graphs(dev) if graphs else None  # each stage's graph made at its first call
         stages = {"front_end": self.front_end, "ode_step": self.ode_step, "solve": self.solve}
         self.stages: dict[str, Callable[[], object]] = {name: self._replayed(name, fn) for name, fn in stages.items()}
@@ -161,17 +164,15 @@ class Runner:
         """The flow cache's bytes, every step's (0 without it)."""
         return sum(p.nbytes() for p in self.past or [])
 
-    @torch.no_grad()
     def hift(self) -> torch.Tensor:
-        """HiFT over every stream's 8 cached + new frames at once (float32): f0 and the NSF source
-        (eager: its noise comes from a generator), then the network and the iSTFT (a graph on CUDA)."""
-        self.source.copy_(self.dec.hift.source(self.mel, self.noise))
-        return self._replayed("vocode", self.vocode)()
+        """HiFT over every stream's 8 cached + new frames at once (float32), as serving runs a later call's
+        (a graph on CUDA): F0 (the context frames for its reach), each stream's NSF source continued, the
+        network and the iSTFT."""
+        return self._replayed("hift", self.vocode)()
 
     @torch.no_grad()
     def vocode(self) -> torch.Tensor:
-        """HiFT's network and iSTFT over the mel and the source in place."""
-        return self.dec.hift.decode(self.mel, self.source)
+        return self.dec.hift_calls(self.mel, self.noise, self.before, context=F0_RADIUS + 1)[0]
 
     def chunk(self) -> None:
         """The whole call: front end, solve, HiFT."""
