@@ -11,7 +11,10 @@
 # The second argument, a rule, stops there (Snakemake's --until). The fp8 run's benchmark leaves out
 # the eager baseline: it is the same transformers model as in the bf16 run, which measures it.
 # .whl holds the wheels listed in benchmarks/gpu-wheels.txt (how they are made is said there).
-# The machine must stay warm between calls (results/ lives on it). A call cut at its 560 s limit
+# The machine must stay warm between calls (results/ lives on it): the device tool gives it back after
+# 30 s idle, so make each call as soon as the last returns (through a slower agent, one session lost
+# the machine between calls; on a fresh one the bf16 benchmark call redid download .. verify and ran
+# out of its stage). A call cut at its 560 s limit
 # ("snakemake exit 124") is run again as it is: the rules it finished are cached, so the second
 # call runs what is left (H100 run 8 in docs/levers.md).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
