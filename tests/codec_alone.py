@@ -30,7 +30,7 @@ def voice_of(codes: int) -> VoicePrompt:
 
 def alone(decoder: CodecDecoder, voice: VoicePrompt, key: int, codes: torch.Tensor, chunk: int) -> torch.Tensor:
     """Stream `key`'s PCM (its source noise seeded by its key, as `CodecBatch` seeds it), pushed `chunk` codes at a time."""
-    s = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + key), flow_cache=False)
+    s = CodecStream(decoder, voice, DEFAULT_SEED + key, flow_cache=False)
     return torch.cat([s.push(codes[i : i + chunk]) for i in range(0, len(codes), chunk)] + [s.finish()])
 
 

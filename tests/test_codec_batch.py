@@ -59,9 +59,9 @@ def test_hift_runs_the_calls_of_one_shape_together(decoder, voice, monkeypatch):
     passes: list[tuple[int, bool]] = []
     hift_calls = CodecDecoder.hift_calls
 
-    def counted(self, mel, noise, before=None, *, context=0):
+    def counted(self, mel, seeds, first, before=None, *, context=0):
         passes.append((mel.shape[0], before is None))
-        return hift_calls(self, mel, noise, before, context=context)
+        return hift_calls(self, mel, seeds, first, before, context=context)
 
     monkeypatch.setattr(CodecDecoder, "hift_calls", counted)
     got = in_steps(CodecBatch(decoder, voice), codes, dict.fromkeys(codes, 0), 5)

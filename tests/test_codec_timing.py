@@ -25,7 +25,8 @@ def test_the_timed_stages_are_the_decoders_own_computation():
     ctx = run.mel.shape[2] - (8 + 20)  # the F0 predictor's context frames, then the cached and the new
     for i, got in enumerate(run.hift()):  # each stream's call as CodecStream makes it: F0, its source continued, the network
         f0 = ours.hift.f0_predictor(run.mel[i : i + 1])[0, ctx:]
-        source, _ = ours.source(f0, run.noise[i], run.before[i])
+        noise = ours.source.noise(run.seeds[i : i + 1], run.first[i : i + 1], f0.shape[0])[0]
+        source, _ = ours.source(f0, noise, run.before[i])
         want = ours.hift.decode(run.mel[i : i + 1, :, ctx:], source[None, None])[0]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         assert want.shape == ((8 + 20) * 480,)

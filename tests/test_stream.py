@@ -360,6 +360,6 @@ def test_the_codec_decoder_streams_a_request_as_its_own_stream_would():
     assert [c.tokens for c in timeline.chunks] == [8, 5, 4]
     assert all(c.samples > 0 for c in timeline.chunks) and timeline.audible() == timeline.chunks
     assert timeline.ttfa_ms() == 1e3 * (timeline.chunks[0].t_ready - timeline.t_request)
-    own = CodecStream(decoder, voice, torch.Generator().manual_seed(DEFAULT_SEED + batch.keys), flow_cache=False)
+    own = CodecStream(decoder, voice, DEFAULT_SEED + batch.keys, flow_cache=False)
     pieces = [own.push(codes[i:j]) for i, j in ((0, 8), (8, 13), (13, 17))]
     assert torch.equal(audio[0], torch.cat([*pieces, own.finish()]))

@@ -17,7 +17,7 @@ and the others' apart:
 - HiFT: the calls of one shape (frames, F0 context, at a stream's start or not) at once: their F0,
   NSF sources (each continued from its own stream's: stream.py) and network in one pass (on CUDA a
   graph per shape and lane; a stream's last call, of any length, runs eager); then each stream's
-  cross-fade. Only the source noise is drawn stream by stream, on the host.
+  cross-fade (each stream's source noise is its seed's: NsfSource.noise).
 
 A stream with two calls in one step (the chunk's, then its last) has them in two rounds. Streams
 never share state, so each stream's PCM is what it gives alone, up to the rounding of batched
@@ -101,8 +101,7 @@ class CodecBatch:
 
     def stream(self, key: int) -> CodecStream:
         if key not in self.streams:
-            g = torch.Generator().manual_seed(DEFAULT_SEED + key)
-            self.streams[key] = CodecStream(self.decoder, self.voice, g, flow_cache=False)
+            self.streams[key] = CodecStream(self.decoder, self.voice, DEFAULT_SEED + key, flow_cache=False)
             if self.slot_count and self.flow_slots().free:  # with none free it re-runs every frame
                 self.slot_of[key], self.solved[key] = self.flow_slots().take(), self.flow_slots().base
         return self.streams[key]
@@ -261,7 +260,9 @@ class CodecBatch:
         for (_, context, fresh, last), idx in groups.items():
             n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
             rows = [prepared[i] for i in idx + [idx[-1]] * (n - len(idx))]
-            args = [torch.stack([x.mel for x in rows]), torch.stack([x.noise for x in rows])]
+            dev = rows[0].mel.device
+            seeds = to_device(dev, [s.seed for s, _ in (calls[i] for i in idx + [idx[-1]] * (n - len(idx)))])
+            args = [torch.stack([x.mel for x in rows]), seeds, to_device(dev, [x.start for x in rows])]
             args += [] if fresh else [torch.stack([x.before for x in rows])]  # type: ignore[misc]
             vocode = functools.partial(self.decoder.hift_calls, context=context)
             if self.graphs is not None and not last:  # a last call's frames vary: eager

@@ -13,8 +13,9 @@ so that a stream (stream.py) can continue it exactly. HiFT's own `SineGen2` rest
 every call and draws its noise as one [harmonics, samples] block, so a chunk's source depends on where the call
 started and on the total length; CosyVoice2 hides the phase jump by overwriting the head of each new source with
 the last one's tail, which leaves a jump a little later and a different waveform from the one-call decode. Here
-the phase is the running sum over all frames (kept in float64, carried across calls) and the noise is drawn
-frame by frame, in frame order, so a frame's source is the same whether it was made in one call or many. The
+the phase is the running sum over all frames (kept in float64, carried across calls) and each noise value is
+a function of the stream's seed and its place (`NsfSource.noise`), so a frame's source is the same whether it
+was made in one call or many. The
 deterministic part equals `SineGen2`'s up to float32 rounding of its phase; the noise has the same distribution
 but other draws than `HiFT.forward` for the same seed."""
 
@@ -36,6 +37,16 @@ from workflow.codec.solver import Estimator, FixedNoise, solve
 from workflow.engines.base import to_device
 
 F0_RADIUS = ELU_CONVS  # the F0 predictor's five k=3 convolutions: f0 at frame i reads mel frames i-5 .. i+5
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """PCG's output permutation of 32-bit values held in int64 (every product stays below 2^63)."""
+    state = (x * 747796405 + 2891336453) & MASK32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & MASK32
+    return (word >> 22) ^ word
 
 
 @dataclass(frozen=True)
@@ -83,13 +94,19 @@ class NsfSource:
         self.merge = hift.m_source.l_linear
         self.width = self.cfg.harmonics + 1
 
-    def noise(self, frames: int, generator: torch.Generator, device: torch.device | str | None = None) -> Tensor:
-        """[frames * hop, harmonics + 1] standard normals, one block of hop x width a frame, in frame order.
-        A block is a multiple of 16 numbers, so with a CPU generator (which fills uniforms in order, then
-        transforms them 16 at a time) drawing frames in pieces gives the same values as at once; a CUDA
-        generator's draws depend on how they are split, so a stream would not match the one-call decode."""
-        n = torch.randn(frames, self.cfg.hop, self.width, generator=generator, device=generator.device)
-        return n.reshape(-1, self.width).to(device)
+    def noise(self, seeds: Tensor, first: Tensor, frames: int) -> Tensor:
+        """Standard normals [n, frames * hop, width] for frames first[i] .. first[i] + frames of stream i.
+        Each value is a function of its stream's seed and its place (frame, sample, harmonic) alone: a
+        counter-based draw (PCG's hash of the place, mixed with the seed's, then Box-Muller), so a frame's
+        noise is the same however a stream's calls split its frames, and it is made on the device, many
+        streams at once, inside a CUDA graph (a generator's draws are made on the host, stream by stream)."""
+        per = self.cfg.hop * self.width
+        dev = first.device
+        place = (first[:, None, None] + torch.arange(frames, device=dev)[:, None]) * per + torch.arange(per, device=dev)
+        key = _hash32(seeds.to(dev, torch.long)[:, None, None] & MASK32)
+        u1, u2 = ((_hash32(_hash32(2 * place + j) ^ key).double() + 0.5) / 2**32 for j in (0, 1))
+        z = torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
+        return z.float().reshape(-1, frames * self.cfg.hop, self.width)
 
     def cycles(self, f0: Tensor, before: Tensor | None = None) -> Tensor:
         """Cycles of each harmonic at each frame's centre, [..., F, width] float64 from f0 [..., F], counted
@@ -244,19 +261,21 @@ class CodecDecoder(nn.Module):
         solve(self.velocity, mu, mask, spks, prompt.mel[None, :, :frames].to(mu), cfg.solver, True, self.noise, past)
         return past
 
-    def vocode(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """HiFT over a whole utterance's mel [mels, F] -> PCM [F * hop], source noise from `generator`."""
-        if generator is None:
-            generator = torch.Generator().manual_seed(DEFAULT_SEED)  # CPU: see NsfSource.noise
-        pcm, _ = self.hift_calls(mel[None], self.source.noise(mel.shape[1], generator, mel.device)[None])
+    def vocode(self, mel: Tensor, seed: int = DEFAULT_SEED) -> Tensor:
+        """HiFT over a whole utterance's mel [mels, F] -> PCM [F * hop], its source noise `seed`'s."""
+        pcm, _ = self.hift_calls(
+            mel[None], torch.tensor([seed], device=mel.device), torch.zeros(1, dtype=torch.long, device=mel.device)
+        )
         return pcm[0]
 
-    def hift_calls(self, mel: Tensor, noise: Tensor, before: Tensor | None = None, *, context: int = 0) -> tuple[Tensor, Tensor]:
+    def hift_calls(
+        self, mel: Tensor, seeds: Tensor, first: Tensor, before: Tensor | None = None, *, context: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """HiFT calls of one shape, one a stream: mel [n, mels, context + F] (the first `context` frames only
-        for the F0 predictor's reach), the source noise [n, F * hop, width], the source's cycles before
-        [n, width] (None: at the utterance start) -> (PCM [n, F * hop], the cycles [n, F, width])."""
+        for the F0 predictor's reach), each stream's noise seed and first frame vocoded [n], the source's
+        cycles before it [n, width] (None: at the utterance start) -> (PCM [n, F * hop], cycles [n, F, width])."""
         f0 = self.hift.f0_predictor(mel)[:, context:]
-        source, cycles = self.source(f0, noise, before)
+        source, cycles = self.source(f0, self.source.noise(seeds, first, f0.shape[1]), before)
         return self.hift.decode(mel[:, :, context:], source[:, None]), cycles
 
     @torch.inference_mode()
@@ -264,14 +283,15 @@ class CodecDecoder(nn.Module):
         self,
         codes: Tensor | Sequence[int],
         prompt: VoicePrompt,
-        generator: torch.Generator | None = None,
+        seed: int = DEFAULT_SEED,
         *,
         streaming: bool | None = None,
     ) -> Tensor:
-        """All codes in one call -> PCM [codes * 1920]. streaming defaults to the config (chunk masks for a
-        chunk-trained flow, which is what a stream of it equals); False is the official offline decode."""
+        """All codes in one call -> PCM [codes * 1920], the source noise `seed`'s. streaming defaults to the
+        config (chunk masks for a chunk-trained flow, which is what a stream of it equals); False is the
+        official offline decode."""
         streaming = self.cfg.chunk > 0 if streaming is None else streaming
-        return self.vocode(self.mel(codes, prompt, streaming=streaming, finalize=True), generator)
+        return self.vocode(self.mel(codes, prompt, streaming=streaming, finalize=True), seed)
 
     @property
     def device(self) -> torch.device:

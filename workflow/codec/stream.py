@@ -24,7 +24,7 @@ call or `finish()`. So after every call the PCM out is exactly (codes decoded) x
 chunks less the held tail, and `finish()` brings the total to codes x 1920. The changed part is the source
 cache: CosyVoice2 overwrites the head of each call's fresh NSF source with the last call's source tail, which
 hides the phase restart only until the cache runs out. Here the source is continued instead (decoder.py's
-`NsfSource`: the phase sum carried over, noise drawn once per frame in frame order from the generator given),
+`NsfSource`: the phase sum carried over, each frame's noise a function of the stream's seed and the frame),
 so away from the cross-faded overlaps the stream gives the one-call PCM up to what HiFT's receptive field,
 wider than the 8-frame cache on each side, lets through (measured in tests/test_codec_stream.py: float noise
 from 4 frames past each overlap on). The cross-fade's weights sum to 1, not CosyVoice2's Hamming halves
@@ -69,19 +69,23 @@ class FlowCall:
 @dataclass(frozen=True)
 class Excitation:
     """One stream's part of a HiFT call: its mel frames [mels, context + F] from frame `first` (the first
-    `context` only for the F0 predictor's reach), the source noise of the F frames, the source's cycles
-    before them (None at the utterance start), and the frame after the new ones (`end`)."""
+    `context` only for the F0 predictor's reach), the source's cycles before the F vocoded frames (None at
+    the utterance start), and the frame after them (`end`)."""
 
     mel: Tensor
     context: int
-    noise: Tensor
     before: Tensor | None
     first: int
     end: int
 
+    @property
+    def start(self) -> int:
+        """The first frame vocoded."""
+        return self.first + self.context
+
     def state(self, cycles: Tensor) -> tuple:
         """What `CodecStream.settle` needs, with the call's cycles [F, width]."""
-        return self.mel, self.first, self.end, self.noise, cycles
+        return self.mel, self.first, self.end, cycles
 
 
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
@@ -94,7 +98,7 @@ class CodecStream:
         self,
         decoder: CodecDecoder,
         prompt: VoicePrompt,
-        generator: torch.Generator | None = None,
+        seed: int = DEFAULT_SEED,
         *,
         mel_cache: int = MEL_CACHE,
         final_offline: bool = False,
@@ -112,7 +116,7 @@ class CodecStream:
         self.decoder, self.mel_cache, self.final_offline = decoder, mel_cache, final_offline
         device = decoder.device
         self.prompt = prompt.to(device)
-        self.generator = generator or torch.Generator().manual_seed(DEFAULT_SEED)  # CPU: see NsfSource.noise
+        self.seed = seed  # the source noise's (NsfSource.noise)
         self.chunk, self.lookahead = cfg.chunk, cfg.encoder.lookahead
         self.pad = -prompt.codes.numel() % cfg.chunk
         self.codes: list[int] = []
@@ -124,9 +128,8 @@ class CodecStream:
         # HiFT state; frames count from the first code (the prompt's are never vocoded)
         self.frames = 0  # mel frames vocoded so far
         self.start = 0  # first frame of the next HiFT call (the cached frames)
-        width, mels = decoder.source.width, cfg.encoder.mel
+        mels = cfg.encoder.mel
         self.mel_tail = torch.zeros(mels, 0, device=device)  # frames [start - F0 context, frames)
-        self.noise_tail = torch.zeros(0, width, device=device)  # the source noise of frames [start, frames)
         self.cycles: Tensor | None = None  # source phase (cycles) at frame start - 1; None at frame 0
         self.held = torch.zeros(0, device=device)  # PCM of frames [start, frames), to cross-fade
 
@@ -213,31 +216,26 @@ class CodecStream:
 
     def _vocode(self, new: Tensor, final: bool) -> Tensor:
         """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
-        mel, source, state = self.excite(new)
-        return self.settle(self.decoder.hift.decode(mel[None], source[None, None])[0], state, final)
-
-    def excite(self, new: Tensor) -> tuple[Tensor, Tensor, tuple]:
-        """A HiFT call's inputs, one stream's part: the mel [mels, F] (the cached frames, then the new) and
-        its NSF source [F * hop], and what `settle` needs after HiFT's network."""
         x = self.prepare(new)
-        f0 = self.decoder.hift.f0_predictor(x.mel[None])[0, x.context :]  # frames before the call's are context only
-        source, cycles = self.decoder.source(f0, x.noise, x.before)
-        return x.mel[:, x.context :], source, x.state(cycles)
+        dev = new.device
+        before = None if x.before is None else x.before[None]
+        pcm, cycles = self.decoder.hift_calls(
+            x.mel[None], torch.tensor([self.seed], device=dev), torch.tensor([x.start], device=dev), before, context=x.context
+        )
+        return self.settle(pcm[0], x.state(cycles[0]), final)
 
     def prepare(self, new: Tensor) -> Excitation:
-        """What a HiFT call over the new frames [mels, n] needs of this stream, before any of it is computed
-        (`excite` computes it for this stream alone; `codec.batch` for many streams' calls at once)."""
+        """What a HiFT call over the new frames [mels, n] needs of this stream (`_vocode` runs it for this
+        stream alone; `codec.batch` many streams' calls at once)."""
         a, end = self.start, self.frames + new.shape[1]
         mel = torch.cat([self.mel_tail, new], dim=1)  # frames [first, end)
         first = end - mel.shape[1]
-        drawn = self.decoder.source.noise(new.shape[1], self.generator)  # on the generator's device (CPU): pinned, then copied
-        drawn = (drawn.pin_memory() if new.is_cuda else drawn).to(new.device, non_blocking=True)
-        return Excitation(mel, a - first, torch.cat([self.noise_tail, drawn]), self.cycles, first, end)
+        return Excitation(mel, a - first, self.cycles, first, end)
 
     def settle(self, pcm: Tensor, state: tuple, final: bool) -> Tensor:
         """After HiFT's network: cross-fade the head with the held tail, hold back the new tail unless
         final, move the cache on; the PCM now final."""
-        mel, first, end, noise, cycles = state
+        mel, first, end, cycles = state
         a, hop = self.start, self.decoder.cfg.hift.hop
         n = self.held.numel()
         if n:  # the new head rises as the old tail falls, the two weights summing to 1
@@ -250,7 +248,6 @@ class CodecStream:
         nxt = max(0, end - self.mel_cache)  # the next call's first frame
         keep = (nxt - a) * hop
         self.held = pcm[keep:]
-        self.noise_tail = noise[keep:]
         self.cycles = cycles[nxt - a - 1] if nxt > 0 else None
         self.mel_tail = mel[:, max(0, nxt - F0_RADIUS - 1) - first :]
         self.start = nxt
@@ -258,4 +255,4 @@ class CodecStream:
 
     def state(self) -> list[Tensor]:
         """The device tensors a stream carries between calls (for a caller moving it between CUDA streams)."""
-        return [t for t in (self.mel_tail, self.noise_tail, self.cycles, self.held) if t is not None]
+        return [t for t in (self.mel_tail, self.cycles, self.held) if t is not None]

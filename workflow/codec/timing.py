@@ -120,7 +120,8 @@ class Runner:
                 )
         self.vocoded = MEL_CACHE + self.new  # a later call's HiFT frames: the cached, then the new
         self.mel = torch.randn(batch, cfg.encoder.mel, F0_RADIUS + 1 + self.vocoded, generator=g).to(dev)
-        self.noise = torch.randn(batch, self.vocoded * cfg.hift.hop, dec.source.width, generator=g).to(dev)
+        self.seeds = torch.arange(batch, device=dev)  # the streams' source noise (NsfSource.noise)
+        self.first = torch.full((batch,), 200, device=dev)  # the first frame vocoded: a call 4 s in
         self.before = torch.zeros(batch, dec.source.width, dtype=torch.float64, device=dev)
         self.graphs = Graphs(dev) if graphs else None  # each stage's graph made at its first call
         stages = {"front_end": self.front_end, "ode_step": self.ode_step, "solve": self.solve}
@@ -172,7 +173,7 @@ class Runner:
 
     @torch.no_grad()
     def vocode(self) -> torch.Tensor:
-        return self.dec.hift_calls(self.mel, self.noise, self.before, context=F0_RADIUS + 1)[0]
+        return self.dec.hift_calls(self.mel, self.seeds, self.first, self.before, context=F0_RADIUS + 1)[0]
 
     def chunk(self) -> None:
         """The whole call: front end, solve, HiFT."""
