@@ -88,6 +88,11 @@ class Excitation:
         return self.mel, self.first, self.end, cycles
 
 
+def rise(n: int, device: torch.device) -> Tensor:
+    """The cross-fade's rising weights over n samples, sin^2: the falling ones (1 - rise) sum with them to 1."""
+    return torch.sin(torch.pi / 2 * (torch.arange(n, device=device, dtype=torch.float64) + 0.5) / n) ** 2
+
+
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
 
 
@@ -132,6 +137,7 @@ class CodecStream:
         self.mel_tail = torch.zeros(mels, 0, device=device)  # frames [start - F0 context, frames)
         self.cycles: Tensor | None = None  # source phase (cycles) at frame start - 1; None at frame 0
         self.held = torch.zeros(0, device=device)  # PCM of frames [start, frames), to cross-fade
+        self.fade = rise(mel_cache * cfg.hift.hop, device)  # the cross-fade's weights, made once
 
     @property
     def first_codes(self) -> int:
@@ -239,8 +245,8 @@ class CodecStream:
         a, hop = self.start, self.decoder.cfg.hift.hop
         n = self.held.numel()
         if n:  # the new head rises as the old tail falls, the two weights summing to 1
-            rise = torch.sin(torch.pi / 2 * (torch.arange(n, device=pcm.device, dtype=torch.float64) + 0.5) / n) ** 2
-            pcm[:n] = (pcm[:n] * rise + self.held * (1 - rise)).to(pcm.dtype)
+            up = self.fade if n == self.fade.numel() else rise(n, pcm.device)
+            pcm[:n] = (pcm[:n] * up + self.held * (1 - up)).to(pcm.dtype)
         self.frames = end
         if final:
             self.held = pcm[:0]
@@ -255,4 +261,4 @@ class CodecStream:
 
     def state(self) -> list[Tensor]:
         """The device tensors a stream carries between calls (for a caller moving it between CUDA streams)."""
-        return [t for t in (self.mel_tail, self.cycles, self.held) if t is not None]
+        return [t for t in (self.mel_tail, self.cycles, self.held, self.fade) if t is not None]
