@@ -259,11 +259,12 @@ class CodecBatch:
             groups.setdefault((x.mel.shape[1], x.context, x.before is None, final[i]), []).append(i)
         for (_, context, fresh, last), idx in groups.items():
             n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
-            rows = [prepared[i] for i in idx + [idx[-1]] * (n - len(idx))]
-            dev = rows[0].mel.device
-            seeds = to_device(dev, [s.seed for s, _ in (calls[i] for i in idx + [idx[-1]] * (n - len(idx)))])
-            args = [torch.stack([x.mel for x in rows]), seeds, to_device(dev, [x.start for x in rows])]
-            args += [] if fresh else [torch.stack([x.before for x in rows])]  # type: ignore[misc]
+            padded = idx + [idx[-1]] * (n - len(idx))  # padding rows: copies of the last
+            rows, dev = [prepared[i] for i in padded], prepared[idx[0]].mel.device
+            seeds, starts = to_device(dev, [calls[i][0].seed for i in padded]), to_device(dev, [x.start for x in rows])
+            args = [torch.stack([x.mel for x in rows]), seeds, starts]
+            if not fresh:
+                args.append(torch.stack([x.before for x in rows]))  # type: ignore[misc]
             vocode = functools.partial(self.decoder.hift_calls, context=context)
             if self.graphs is not None and not last:  # a last call's frames vary: eager
                 prio = torch.cuda.current_stream(args[0].device).priority

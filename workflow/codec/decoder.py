@@ -263,9 +263,7 @@ class CodecDecoder(nn.Module):
 
     def vocode(self, mel: Tensor, seed: int = DEFAULT_SEED) -> Tensor:
         """HiFT over a whole utterance's mel [mels, F] -> PCM [F * hop], its source noise `seed`'s."""
-        pcm, _ = self.hift_calls(
-            mel[None], torch.tensor([seed], device=mel.device), torch.zeros(1, dtype=torch.long, device=mel.device)
-        )
+        pcm, _ = self.hift_calls(mel[None], to_device(mel.device, [seed]), to_device(mel.device, [0]))
         return pcm[0]
 
     def hift_calls(

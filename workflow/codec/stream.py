@@ -53,6 +53,7 @@ from torch import Tensor
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.hift import DEFAULT_SEED
+from workflow.engines.base import to_device
 
 
 @dataclass(frozen=True)
@@ -223,11 +224,9 @@ class CodecStream:
     def _vocode(self, new: Tensor, final: bool) -> Tensor:
         """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
         x = self.prepare(new)
-        dev = new.device
+        seed, start = (to_device(new.device, [v]) for v in (self.seed, x.start))
         before = None if x.before is None else x.before[None]
-        pcm, cycles = self.decoder.hift_calls(
-            x.mel[None], torch.tensor([self.seed], device=dev), torch.tensor([x.start], device=dev), before, context=x.context
-        )
+        pcm, cycles = self.decoder.hift_calls(x.mel[None], seed, start, before, context=x.context)
         return self.settle(pcm[0], x.state(cycles[0]), final)
 
     def prepare(self, new: Tensor) -> Excitation:
