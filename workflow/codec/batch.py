@@ -275,7 +275,7 @@ class CodecBatch:
             for j, i in enumerate(idx):
                 out[i] = pcm[j], cycles[j]
         return [
-            s.settle(pcm, x.state(cycles), f)
+            s.settle(pcm, x, cycles, f)
             for (s, _), x, (pcm, cycles), f in zip(calls, prepared, out, final, strict=True)  # type: ignore[misc]
         ]
 

@@ -84,10 +84,6 @@ class Excitation:
         """The first frame vocoded."""
         return self.first + self.context
 
-    def state(self, cycles: Tensor) -> tuple:
-        """What `CodecStream.settle` needs, with the call's cycles [F, width]."""
-        return self.mel, self.first, self.end, cycles
-
 
 def rise(n: int, device: torch.device) -> Tensor:
     """The cross-fade's rising weights over n samples, sin^2: the falling ones (1 - rise) sum with them to 1."""
@@ -227,7 +223,7 @@ class CodecStream:
         seed, start = (to_device(new.device, [v]) for v in (self.seed, x.start))
         before = None if x.before is None else x.before[None]
         pcm, cycles = self.decoder.hift_calls(x.mel[None], seed, start, before, context=x.context)
-        return self.settle(pcm[0], x.state(cycles[0]), final)
+        return self.settle(pcm[0], x, cycles[0], final)
 
     def prepare(self, new: Tensor) -> Excitation:
         """What a HiFT call over the new frames [mels, n] needs of this stream (`_vocode` runs it for this
@@ -237,10 +233,10 @@ class CodecStream:
         first = end - mel.shape[1]
         return Excitation(mel, a - first, self.cycles, first, end)
 
-    def settle(self, pcm: Tensor, state: tuple, final: bool) -> Tensor:
-        """After HiFT's network: cross-fade the head with the held tail, hold back the new tail unless
-        final, move the cache on; the PCM now final."""
-        mel, first, end, cycles = state
+    def settle(self, pcm: Tensor, x: Excitation, cycles: Tensor, final: bool) -> Tensor:
+        """After HiFT's call `x` (its PCM, its source's cycles [F, width]): cross-fade the head with the held
+        tail, hold back the new tail unless final, move the cache on; the PCM now final."""
+        mel, first, end = x.mel, x.first, x.end
         a, hop = self.start, self.decoder.cfg.hift.hop
         n = self.held.numel()
         if n:  # the new head rises as the old tail falls, the two weights summing to 1

@@ -118,8 +118,8 @@ class Runner:
                     dec.noise,
                     self.past,
                 )
-        self.vocoded = MEL_CACHE + self.new  # a later call's HiFT frames: the cached, then the new
-        self.mel = torch.randn(batch, cfg.encoder.mel, F0_RADIUS + 1 + self.vocoded, generator=g).to(dev)
+        vocoded = MEL_CACHE + self.new  # a later call's HiFT frames: the cached, then the new
+        self.mel = torch.randn(batch, cfg.encoder.mel, F0_RADIUS + 1 + vocoded, generator=g).to(dev)
         self.seeds = torch.arange(batch, device=dev)  # the streams' source noise (NsfSource.noise)
         self.first = torch.full((batch,), 200, device=dev)  # the first frame vocoded: a call 4 s in
         self.before = torch.zeros(batch, dec.source.width, dtype=torch.float64, device=dev)
