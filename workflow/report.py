@@ -136,7 +136,7 @@ def codec_markdown(c: dict) -> list[str]:
         f"{n['estimator'] / 1e6:.2f} M, HiFT {n['hift'] / 1e6:.2f} M parameters; {c['steps']} ODE steps, each one "
         f"estimator pass over 2 x batch rows (guidance). Ours: {cfg['dtype']}, the estimator's fast pass"
         + (" (its blocks compiled), " if c.get("compiled") else ", ")
-        + ("CUDA graphs (HiFT: its network; its NSF source eager)" if c["graphs"] else "eager")
+        + ("CUDA graphs (HiFT: F0, its NSF source and its network in one)" if c["graphs"] else "eager")
         + "; baseline: the official structure, float32, eager, batch 1. A call runs the front end over every code so "
         "far; its ODE solve, with the flow cache, only the frames after the last call's end (the first call: after the "
         "voice prompt's past, made once per voice), and without it (ours, the baseline) every frame; `ours, slots` is "
