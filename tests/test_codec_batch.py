@@ -71,9 +71,13 @@ def test_hift_runs_the_calls_of_one_shape_together(decoder, voice, monkeypatch):
 
 
 def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
-    """The first PCM needs a chunk, the prompt's alignment pad and the lookahead: 5 + 3 + 3 for a 7-code prompt."""
+    """The first PCM needs the first hop and the lookahead: for a 7-code prompt the 3 codes that end its last
+    chunk (their 12 frames outnumber the 8 held back for the cross-fade), then 3: 6 codes, PCM of 4 frames."""
     batch = CodecBatch(decoder, voice)
-    assert batch.first_codes == 5 + (-7 % 5) + TINY.encoder.lookahead
+    assert batch.first_codes == 3 + TINY.encoder.lookahead
+    early = batch.vocodes(batch.flows([Piece(8, torch.arange(batch.first_codes), 0)]))
+    assert early[0].numel() == 4 * TINY.hift.hop  # not the last: the first PCM, less the held tail
+    batch.end(8)
     out = batch.vocodes(batch.flows([Piece(9, torch.arange(batch.first_codes - 1), 0)]))
     assert out[0].numel() == 0  # one code short: nothing yet
     out = batch.vocodes(batch.flows([Piece(9, torch.tensor([5]), batch.first_codes - 1, True)]))
@@ -84,13 +88,13 @@ def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
 def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tiny_engine_dir, decoder, voice, slots):
     """The load benchmark with the codec decoder as serving's detokenizer (the CPU: in line): every
     request served, its PCM whole (codes x 1920 samples), its first chunk as many codes as the first
-    PCM needs (11 here), so its time to first audio the first chunk's, and no decoder state left
+    PCM needs (6 here), so its time to first audio the first chunk's, and no decoder state left
     behind; `warm` leaves none either. With one flow slot for two users, some streams solve new
     frames only and others re-run every frame, in the same batches."""
     engine = load_engine(tiny_engine_dir)
     ids = Ids.of(engine.spec)
     detok = CodecLanes(CodecBatch(decoder, voice, slots=slots, max_codes=20), torch.device("cpu"), time.perf_counter)
-    assert detok.sample_rate == 24000 and detok.first_codes == 11 and not detok.lanes
+    assert detok.sample_rate == 24000 and detok.first_codes == 6 and not detok.lanes
     assert detok.warm(2, 5, 20) == 2 * 2 and not detok.batch.streams  # two pieces for each of buckets 1 and 2
     cfg = load.LoadConfig(closed=(2,), duration_s=1.0, reply_seconds=(1.0, 1.6), prompt_len=24, slots=4)
     levels, served = [], []
@@ -110,7 +114,7 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     assert not detok.batch.slot_of and (not slots or len(detok.batch.slots.free) == slots)
     for req in served:
         assert req.error is None and sum(req.chunk_samples) == len(req.codes) * SPC
-        assert req.chunk_codes[0] == 11 and all(n == 5 for n in req.chunk_codes[1:-1])  # the first: the first PCM's codes
+        assert req.chunk_codes[0] == 6 and all(n == 5 for n in req.chunk_codes[1:-1])  # the first: the first PCM's codes
         assert all(n > 0 for n in req.chunk_samples)  # so every chunk makes PCM (the last: the rest, the held tail)
         assert req.ttfa_s == pytest.approx(req.chunk_ready[0] - req.t_arrival)
 

@@ -67,8 +67,8 @@ def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
 def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
     """Chunks that waited: with a slot, a stream's consecutive flow calls go as one while their new
     frames fit a call (under chunk masks the frames of one call over two chunks are those of two
-    calls). Two streams, each with its first chunk and the next two at once, take two calls, not
-    three, then two for the rest (a chunk and their last call, which runs alone); each stream's PCM
+    calls). Two streams, each with its first chunk and the next three at once, take two calls, not
+    four, then two for the rest (a chunk and their last call, which runs alone); each stream's PCM
     is its own alone."""
     batch = CodecBatch(decoder, voice, slots=2, max_codes=40)
     ran, real = [], FlowSlots.flow
@@ -77,12 +77,12 @@ def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
     codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
     pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
     calls = []
-    for done, n, last in ((0, 21, False), (21, 5, True)):  # 21 codes: calls due at 11, 16 and 21; then 26, last
+    for done, n, last in ((0, 21, False), (21, 5, True)):  # 21 codes: calls due at 6, 11, 16 and 21; then 26, last
         pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
         for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
             pcm[p.stream].append(x)
         calls.append(len(ran))
-    assert ran == [2] * 4 and calls == [2, 4] and batch.new_frames == 80  # 60 frames + 20 in one call, then 20
+    assert ran == [2] * 4 and calls == [2, 4] and batch.new_frames == 60  # 40 frames + 20 in one call, then 20 + 20
     for k, c in codes.items():
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
@@ -119,13 +119,13 @@ def test_a_call_run_again_gives_the_same_frames_and_the_next_call_reads_what_it_
     stream gives alone (its second call's)."""
     slots = FlowSlots(decoder, voice, slots=1, frames=120)
     g = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 1000, (16,), generator=g).tolist()  # the first hop (8 codes with the pad) + 3, then 5
+    codes = torch.randint(0, 1000, (16,), generator=g).tolist()  # the first hop (3 codes end the prompt's chunk) + 3, then 5, 5
     own = CodecStream(decoder, voice, flow_cache=False, keep_mel=True)
     own.flow(codes)
     s = slots.take()
     with torch.inference_mode():
         start = slots.base
-        for n in (11, 16):
+        for n in (6, 11, 16):
             tokens, lengths, context, end = call_rows(decoder, voice, codes[:n], 120)
             ix = slots.index([s], [start], [end], 60, 120).tensors()
             once, again = slots.flow(tokens, lengths, context, *ix), slots.flow(tokens, lengths, context, *ix)

@@ -73,8 +73,10 @@ def run(dec: CodecDecoder, voice: VoicePrompt, x: torch.Tensor, step: int, **kw)
 
 
 def call_ends(n: int, prompt_codes: int, chunk: int = TINY.chunk, lookahead: int = TINY.encoder.lookahead) -> list[int]:
-    """The mel frame where each non-final flow call ends (my own count of the CosyVoice2 schedule)."""
-    ends, offset, hop = [], 0, chunk + (-prompt_codes) % chunk
+    """The mel frame where each non-final flow call ends (my own count of the schedule: CosyVoice2's, but a first
+    hop of just the codes that end the prompt's last chunk where their 4 frames a code outnumber the held 8)."""
+    pad = (chunk - prompt_codes % chunk) % chunk
+    ends, offset, hop = [], 0, (pad if 4 * pad > MEL_CACHE else chunk + pad)
     while n - offset >= hop + lookahead:
         offset += hop
         ends.append(4 * offset)
@@ -107,8 +109,9 @@ def test_mel_is_flow_inference_prompt_first_then_trimmed(decoder, streaming):
 
 
 @pytest.mark.parametrize("n", [13, 17, 25])
-def test_stream_equals_whole_away_from_the_cross_fades(decoder, n):
-    voice, x = prompt(), codes(n)
+@pytest.mark.parametrize("prompt_codes", [7, 10, 11])  # first hops of 3 codes, 5 (CosyVoice2's) and 4
+def test_stream_equals_whole_away_from_the_cross_fades(decoder, n, prompt_codes):
+    voice, x = prompt(prompt_codes), codes(n)
     ref = decoder.whole(x, voice, SEED)
     assert ref.shape == (n * SPC,)
     streams = {step: torch.cat(run(decoder, voice, x, step)[0]) for step in (1, 3, n)}
@@ -130,7 +133,7 @@ def test_stream_equals_whole_away_from_the_cross_fades(decoder, n):
 
 
 def test_short_utterance_is_one_call_and_bit_identical(decoder):
-    voice, x = prompt(), codes(6)  # fewer than the first hop + lookahead (11 with a 7-code prompt)
+    voice, x = prompt(), codes(5)  # fewer than the first hop + lookahead (6 with a 7-code prompt)
     out, _ = run(decoder, voice, x, 1)
     assert all(o.numel() == 0 for o in out[:-1])
     assert torch.equal(out[-1], decoder.whole(x, voice, SEED))
@@ -200,9 +203,10 @@ def test_a_past_must_end_on_a_chunk_and_before_the_frames_asked_for(decoder):
 # ---------------------------------------------------------------- when and how much PCM comes
 
 
-@pytest.mark.parametrize(("prompt_codes", "first"), [(10, 8), (0, 8), (7, 11), (9, 9)])
+@pytest.mark.parametrize(("prompt_codes", "first"), [(10, 8), (0, 8), (7, 6), (11, 7), (13, 10), (9, 9)])
 def test_first_pcm_after_exactly_first_codes(decoder, prompt_codes, first):
-    """chunk 5 + pad (prompt alignment) + lookahead 3; pad = (-P) mod 5."""
+    """The first hop + lookahead 3; pad = (-P) mod 5 codes end the prompt's last chunk, and are the first hop
+    alone where they make PCM (pad 3 or 4: 12 or 16 frames, more than the 8 held), else 5 + pad is."""
     voice = VoicePrompt.empty() if prompt_codes == 0 else prompt(prompt_codes)
     s = CodecStream(decoder, voice, SEED)
     assert s.first_codes == first

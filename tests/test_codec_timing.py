@@ -108,3 +108,16 @@ def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):
         assert made == [0] * 11 and len(alive) == 0  # 4 ours, 4 with the flow cache, 2 baseline, 1 for first audio
     finally:
         gc.enable()
+
+
+def test_a_prompt_of_5k_plus_2_codes_times_a_first_call_of_3_codes():
+    """The first hop is the stream's (stream.first_hop): a 12-code prompt's last chunk ends 3 codes into the
+    reply, and those 3 (12 frames, more than the 8 held back) make the first PCM, so the first call and time to
+    first audio take 3 + 3 codes, and the later call stays on the chunk grid."""
+    reached = []
+    t = CodecTiming(prompt_codes=12, batches=(1,), repeat=1, slots=1, baseline=False, flow_cache=False)
+    out = measure(t, torch.device("cpu"), reached.append)
+    row = {(r["variant"], r["call"]): r for r in out["calls"]}
+    assert out["first_codes"] == 6 and set(reached) == {6}
+    assert row["ours", "first"]["codes"] == 12 + 3 + 3 and row["ours", "later"]["codes"] == 12 + 3 + 20 + 3
+    assert row["ours, slots", "first"]["solved_frames"] == 4 * 15 - 20 and row["ours, slots", "later"]["solved_frames"] == 20

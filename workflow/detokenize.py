@@ -6,7 +6,7 @@ A request's chunks go through a `Speech`, in two timed stages: codes -> mel, the
 that became final. `StandIn` gives each chunk of K codes exactly K x 80 ms (a code->mel table, then a
 vocoder; frames come hop-aligned, so a few samples carry over to the next chunk). MOSS-Speech's codec
 decoder (`codec.batch.CodecSpeech`) gives PCM later than its codes (its lookahead, its cross-fade):
-the first after 8 codes, the rest at `finish`. The figures mean the same either way: a chunk's t_mel
+the first after 6 to 10 codes (its `first_codes`), the rest at `finish`. The figures mean the same either way: a chunk's t_mel
 is "its mel is done", t_ready "the PCM it made final is ready". How they are read differs:
 
 - Inline: the stage runs on the decoding stream, each time read by the clock (which
@@ -46,9 +46,9 @@ Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel [B, M, F] -> waveform [B
 def chunk_due(sent: int, pending: int, chunk: int, first_codes: int = 1) -> bool:
     """Whether a stream's `pending` codes after the `sent` already chunked make its next chunk: the
     first once the detokenizer can make PCM of them (`first_codes`, at least `chunk`), then every
-    `chunk` codes. So each chunk makes PCM as it comes: the codec decoder's first PCM needs 8 codes
-    (a chunk and its lookahead), and its chunks end at 8, 13, 18 ..., not at 5 (no PCM), 10, 15 ...,
-    each of which would wait 2 codes for the lookahead."""
+    `chunk` codes. So each chunk makes PCM as it comes: after a 5k-code voice prompt the codec
+    decoder's first PCM needs 8 codes (a chunk and its lookahead), and its chunks end at 8, 13, 18 ...,
+    not at 5 (no PCM), 10, 15 ..., each of which would wait 2 codes for the lookahead."""
     return pending >= (max(chunk, first_codes) if sent == 0 else chunk)
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.hift import DEFAULT_SEED
 from workflow.codec.slots import FlowSlots
-from workflow.codec.stream import CodecStream, FlowCall
+from workflow.codec.stream import CodecStream, FlowCall, first_hop
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Clock, Lanes, Piece
 from workflow.engines.base import to_device
@@ -90,9 +90,9 @@ class CodecBatch:
 
     @property
     def first_codes(self) -> int:
-        """Codes a stream needs before its first PCM (chunk + prompt alignment + lookahead)."""
+        """Codes a stream needs before its first PCM (its first hop + lookahead)."""
         cfg = self.decoder.cfg
-        return cfg.chunk + (-len(self.prompt) % cfg.chunk) + cfg.encoder.lookahead
+        return first_hop(len(self.prompt), cfg.chunk, self.decoder.stride) + cfg.encoder.lookahead
 
     def new_key(self) -> int:
         """A stream key no caller uses (serving's keys are request ids, counted from 1)."""

@@ -10,11 +10,15 @@ with chunk masks, its last `lookahead` codes as context only, and keeps just the
 + fixed noise + a chunk-aligned end) are exactly the frames a one-call decode gives. The price is that each
 call redoes the whole prefix, so a call costs more as the utterance grows (the fixed noise caps it at 300 s).
 
-When PCM comes. The chunk grid starts at the prompt's first code, so the first hop is `chunk + pad` codes,
-pad = (-prompt codes) mod chunk, and a hop is decoded once `hop + lookahead` codes past the last decoded one
-are in. So the first PCM comes after `chunk + pad + lookahead` codes (`first_codes`): 8 for chunk 5 and a
-prompt of a multiple of 5 codes (640 ms of codes), and that first PCM is 5 x 1920 - 3840 samples (240 ms; the
-last 160 ms are held for the cross-fade). Then one flow call, 400 ms of PCM, per `chunk` codes. `finish()` decodes
+When PCM comes. The chunk grid starts at the prompt's first code, so the prompt's last chunk ends pad =
+(-prompt codes) mod chunk codes into the reply, and a hop is decoded once `hop + lookahead` codes past the
+last decoded one are in. The first hop (`first_hop`) is those pad codes alone where their frames make PCM
+(more than the mel cache held back for the cross-fade: pad 3 or 4 for chunk 5), else chunk + pad, as
+CosyVoice2 runs it. So the first PCM comes after `first_hop + lookahead` codes (`first_codes`): 8 for a prompt
+of a multiple of 5 codes, and that first PCM is 5 x 1920 - 3840 samples (240 ms; the last 160 ms are held for
+the cross-fade); 6 for a prompt of 5k + 2 codes, its first PCM 80 ms, 7 for 5k + 1, 160 ms. A voice prompt
+trimmed by a few codes thus trades a shorter first PCM for one or two fewer codes to wait for. Then one
+flow call, 400 ms of PCM, per `chunk` codes. `finish()` decodes
 the rest (fewer than hop + lookahead codes) with the lookahead read as the end of the utterance.
 
 HiFT across calls (CosyVoice2's cache, one part changed). Each call vocodes [the last `mel_cache` (8) frames
@@ -93,6 +97,13 @@ def rise(n: int, device: torch.device) -> Tensor:
 MEL_CACHE = 8  # frames of mel carried into the next HiFT call; 8 x 480 samples cross-faded (CosyVoice2)
 
 
+def first_hop(prompt_codes: int, chunk: int, stride: int, mel_cache: int = MEL_CACHE) -> int:
+    """Codes a stream's first flow call decodes (its lookahead aside): the pad codes that end the prompt's last
+    chunk where their frames outnumber the mel cache held back (so the call makes PCM), else chunk + pad."""
+    pad = -prompt_codes % chunk
+    return pad if pad * stride > mel_cache else chunk + pad
+
+
 class CodecStream:
     """One utterance: `push(codes)` -> the PCM now final, `finish()` -> the rest. Not thread-safe."""
 
@@ -120,7 +131,7 @@ class CodecStream:
         self.prompt = prompt.to(device)
         self.seed = seed  # the source noise's (NsfSource.noise)
         self.chunk, self.lookahead = cfg.chunk, cfg.encoder.lookahead
-        self.pad = -prompt.codes.numel() % cfg.chunk
+        self.hop0 = first_hop(prompt.codes.numel(), cfg.chunk, decoder.stride, mel_cache)
         self.codes: list[int] = []
         self.offset = 0  # codes whose frames went to HiFT
         self.finished = False
@@ -138,11 +149,11 @@ class CodecStream:
 
     @property
     def first_codes(self) -> int:
-        """Codes needed before the first PCM: the first hop (chunk + prompt alignment pad) + lookahead."""
-        return self.chunk + self.pad + self.lookahead
+        """Codes needed before the first PCM: the first hop + lookahead."""
+        return self.hop0 + self.lookahead
 
     def _hop(self) -> int:
-        return self.chunk + (self.pad if self.offset == 0 else 0)
+        return self.hop0 if self.offset == 0 else self.chunk
 
     def push(self, codes: Sequence[int] | Tensor) -> Tensor:
         """Add codes; returns the PCM that became final (possibly empty), [n * 1920 - held] samples."""

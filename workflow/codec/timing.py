@@ -6,7 +6,7 @@ rows: classifier-free guidance) and HiFT vocodes the new frames with its 8 cache
 flow cache (estimator.Past) the ODE runs only the frames after the last call's end, against the
 cached keys and values of those before (the first call: after the voice prompt's past, made once
 per voice); without it, over every frame so far, so a call costs more the later it comes. Two
-calls are timed: the first chunk (the prompt + chunk + lookahead codes) and one `later_codes`
+calls are timed: the first chunk (the prompt + first hop + lookahead codes) and one `later_codes`
 into the reply; each at every batch in `batches` (streams whose calls fall due together, the
 same length here).
 
@@ -48,7 +48,7 @@ from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.slots import FlowSlots
 from workflow.codec.solver import solve
-from workflow.codec.stream import MEL_CACHE
+from workflow.codec.stream import MEL_CACHE, first_hop
 from workflow.cudagraphs import Graphs
 from workflow.report import percentiles
 
@@ -60,8 +60,8 @@ CACHE = Path("results/.hub-cache")  # where hf: weights are fetched, as the down
 class CodecTiming:
     preset: str = "tiny"  # tiny | full (the true shape)
     dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow; HiFT stays float32)
-    prompt_codes: int = 10  # the voice prompt's codes (a multiple of the chunk keeps the grid aligned)
-    later_codes: int = 20  # where the later call falls: codes of the reply already decoded
+    prompt_codes: int = 10  # the voice prompt's codes (5k + 1 or 5k + 2: a shorter first hop, stream.first_hop)
+    later_codes: int = 20  # where the later call falls: codes of the reply past the first hop (a multiple of the chunk)
     batches: tuple[int, ...] = (1, 2)
     repeat: int = 3
     baseline: bool = True  # also time the official structure (float32, eager, batch 1)
@@ -255,7 +255,8 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     ours, base = decoders(t, device)
     cfg = ours.cfg
     la, chunk, stride = cfg.encoder.lookahead, cfg.chunk, cfg.encoder.stride
-    calls = {"first": t.prompt_codes + chunk, "later": t.prompt_codes + t.later_codes + chunk}  # body codes
+    hop0 = first_hop(t.prompt_codes, chunk, stride)  # the first call's codes (CodecStream's)
+    calls = {"first": t.prompt_codes + hop0, "later": t.prompt_codes + t.later_codes + hop0}  # body codes
     cf = chunk * stride  # a chunk's frames: a past ends on a chunk boundary
     cached = {  # the frames the flow cache holds at each call: the voice prompt's past; the last call's end
         "first": max(0, (t.prompt_codes - la) * stride // cf * cf),
@@ -264,7 +265,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     graphs = t.graphs and device.type == "cuda"
     voice = voice_of(t, ours)
     base_frames = ours.past_frames(t.prompt_codes)
-    new = -(-((t.prompt_codes + chunk + la) * stride - base_frames) // cf) * cf  # CodecBatch.new_frames
+    new = -(-((t.prompt_codes + hop0 + la) * stride - base_frames) // cf) * cf  # CodecBatch.new_frames
 
     def runner(variant: str, dec: CodecDecoder, batch: int, call: str, use_graphs: bool) -> Runner:
         if variant == "ours, slots":
@@ -297,14 +298,14 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         "compiled": ours.compiled,  # whether ours ran its estimator's blocks compiled
         "kernels": ours.kernels,  # whether the slots ran their transformer blocks as Triton kernels
         "steps": cfg.solver.steps,
-        "first_codes": chunk + la,
+        "first_codes": hop0 + la,
         "calls": rows,
     }
     if first_codes is not None:
         run = runner("ours, slots" if t.slots else "ours", ours, 1, "first", graphs)
 
         def first_audio() -> None:
-            first_codes(chunk + la)
+            first_codes(hop0 + la)
             run.chunk()
 
         out["ttfa_ms"] = percentiles(roofline.timed_ms(first_audio, device, t.repeat, warmup=1))
