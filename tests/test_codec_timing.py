@@ -86,6 +86,8 @@ def test_codec_settings_name_what_is_wrong():
         CodecTiming.from_dict({"presets": "full"})
     with pytest.raises(ValueError, match="'huge' is not one of tiny, full"):
         CodecTiming.from_dict({"preset": "huge"})
+    with pytest.raises(ValueError, match="later_codes: 22 is not a multiple of the chunk"):
+        CodecTiming.from_dict({"later_codes": 22})  # the later call would end off the chunk grid
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

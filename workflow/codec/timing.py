@@ -80,6 +80,9 @@ class CodecTiming:
             raise ValueError(f"benchmark.codec: unknown key(s) {', '.join(unknown)}")
         if d.get("preset", "tiny") not in PRESETS:
             raise ValueError(f"benchmark.codec.preset: '{d['preset']}' is not one of {', '.join(PRESETS)}")
+        chunk = PRESETS[d.get("preset", "tiny")]().chunk
+        if d.get("later_codes", cls.later_codes) % chunk:
+            raise ValueError(f"benchmark.codec.later_codes: {d['later_codes']} is not a multiple of the chunk ({chunk} codes)")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
