@@ -261,7 +261,7 @@ class CodecBatch:
             n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
             padded = idx + [idx[-1]] * (n - len(idx))  # padding rows: copies of the last
             rows, dev = [prepared[i] for i in padded], prepared[idx[0]].mel.device
-            seeds, starts = to_device(dev, [calls[i][0].seed for i in padded]), to_device(dev, [x.start for x in rows])
+            seeds, starts = to_device(dev, [[calls[i][0].seed for i in padded], [x.start for x in rows]])  # one copy
             args = [torch.stack([x.mel for x in rows]), seeds, starts]
             if not fresh:
                 args.append(torch.stack([x.before for x in rows]))  # type: ignore[misc]

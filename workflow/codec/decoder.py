@@ -15,9 +15,8 @@ started and on the total length; CosyVoice2 hides the phase jump by overwriting 
 the last one's tail, which leaves a jump a little later and a different waveform from the one-call decode. Here
 the phase is the running sum over all frames (kept in float64, carried across calls) and each noise value is
 a function of the stream's seed and its place (`NsfSource.noise`), so a frame's source is the same whether it
-was made in one call or many. The
-deterministic part equals `SineGen2`'s up to float32 rounding of its phase; the noise has the same distribution
-but other draws than `HiFT.forward` for the same seed."""
+was made in one call or many. The deterministic part equals `SineGen2`'s up to float32 rounding of its phase;
+the noise has the same distribution but other draws than `HiFT.forward` for the same seed."""
 
 from __future__ import annotations
 

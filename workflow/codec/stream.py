@@ -231,7 +231,7 @@ class CodecStream:
     def _vocode(self, new: Tensor, final: bool) -> Tensor:
         """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
         x = self.prepare(new)
-        seed, start = (to_device(new.device, [v]) for v in (self.seed, x.start))
+        seed, start = to_device(new.device, [[self.seed], [x.start]])
         before = None if x.before is None else x.before[None]
         pcm, cycles = self.decoder.hift_calls(x.mel[None], seed, start, before, context=x.context)
         return self.settle(pcm[0], x, cycles[0], final)
