@@ -17,7 +17,12 @@ and the copies around it, the out GEMM, the residual, LayerNorm, the two feed-fo
 5. the feed-forward's second GEMM, its bias and the residual.
 
 Each result is rounded to the activations' dtype where the torch path rounds it (LayerNorm's output,
-a GEMM's output with its bias, the GELU, the residual sum), so the two agree to that rounding."""
+a GEMM's output with its bias, the GELU, the residual sum), so the two agree to that rounding.
+
+On Hopper and later the five launch as programmatic dependent launches (`dependent_launch`): each lets
+the next start at once, and a GEMM fetches its weights (which no kernel writes) before it waits for the
+kernel before it to finish, so the weights' latency hides behind that kernel. Nothing a kernel reads or
+writes of the activations, the pool or the indices is touched before the wait."""
 
 from __future__ import annotations
 
@@ -62,11 +67,14 @@ if triton is not None:
         x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, be_ptr, pool_ptr, wr_ptr, M, eps,
         N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         NORM: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, GDC: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
     ):  # fmt: skip
         """y = [GELU](LayerNorm?(x) @ w.T + b) [+ r] over x [M, K], w [N, K]. SPLIT > 0: columns < SPLIT
         go to y [M, SPLIT], the rest to the pool's frame wr[m] (N - SPLIT values a frame). NORM: the
-        whole row in one block (BK >= K)."""
+        whole row in one block (BK >= K). GDC: a dependent launch (the weights fetched before the wait;
+        without NORM, the program's weight rows into L2, LINES lines of LINE values each)."""
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         m_ok, n_ok = m < M, n < N
@@ -75,16 +83,22 @@ if triton is not None:
         if NORM:  # the whole row in one block (BK >= K): its mean and variance, then the GEMM
             k = tl.arange(0, BK)
             k_ok = k < K
+            w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            gamma = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            beta = tl.load(be_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
             x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             mean = tl.sum(x, axis=1) / K
             xc = tl.where(k_ok[None, :], x - mean[:, None], 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / K + eps)
-            gamma = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            beta = tl.load(be_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             xn = (xc * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dt)
-            w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(xn, w, acc, input_precision=PRECISION)
         else:
+            if GDC:
+                line = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+                _prefetch(w_ptr + tl.minimum(n, N - 1)[:, None] * K + line[None, :])
+                tl.extra.cuda.gdc_wait()
             for k0 in range(0, K, BK):
                 k = k0 + tl.arange(0, BK)
                 k_ok = k < K
@@ -107,6 +121,13 @@ if triton is not None:
             tl.store(at, y, mask=ok & (n >= SPLIT)[None, :])
         else:
             tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=ok)
+
+    @triton.jit
+    def _prefetch(ptrs):
+        """Each pointer's line into L2 (no value returned: its dummy result is unused)."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
 
     @triton.jit
     def _keys(q, kv, keys, j0, hi, sees, scale, m_i, l_i, acc, inner: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -134,11 +155,16 @@ if triton is not None:
         q_ptr, pool_ptr, keys_ptr, starts_ptr, valid_ptr, y_ptr, Q, KEYS, scale,
         H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHUNK: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, STOP: tl.constexpr, KMAX: tl.constexpr,
+        GDC: tl.constexpr,
     ):  # fmt: skip
         """y [R * Q, H * D] of q [R * Q, H * D] against each row's keys: pool frame keys[r, j] holds
         key j's k (its first H * D values) and v (the next H * D). STOP: the loop ends at the last key
         the program's queries see, else (Triton's interpreter, which cannot loop to a bound it did not
-        get as a constant) over all KMAX keys, the later ones masked."""
+        get as a constant) over all KMAX keys, the later ones masked. GDC: a dependent launch (every
+        input is an activation or an index: it waits first)."""
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         r, h = tl.program_id(0), tl.program_id(1)
         i = tl.program_id(2) * BQ + tl.arange(0, BQ)
         d = tl.arange(0, DP)
@@ -169,6 +195,18 @@ def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def dependent_launch(x: Tensor) -> bool:
+    """Whether kernels over x launch as programmatic dependent launches: on CUDA devices of compute
+    capability 9.0 or later (Hopper), where griddepcontrol exists."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _launch(x: Tensor) -> dict:
+    """The launch options and constants of a dependent launch over x, or of a plain one."""
+    gdc = dependent_launch(x)
+    return {"GDC": gdc, "launch_pdl": True} if gdc else {"GDC": False}
+
+
 def tile(m: int, n: int, k: int, norm: bool) -> Tile:
     """The blocking for x [m, k] @ w [n, k].T (norm: the whole row of k in one block, unpipelined):
     small blocks while the rows are few, so more programs share the work, as the fastest blockings
@@ -193,13 +231,14 @@ def linear(
     blk = blocking or tile(m, n, k, norm is not None)
     grid = (triton.cdiv(m, blk.bm), triton.cdiv(n, blk.bn))
     dummy = weight
+    line = max(1, 128 // weight.element_size())  # values a 128-byte line
     _linear[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, y,
         norm.weight if norm is not None else dummy, norm.bias if norm is not None else dummy,
         pool if pool is not None else dummy, writes if writes is not None else dummy, m,
         norm.eps if norm is not None else 0.0, N=n, K=k, BM=blk.bm, BN=blk.bn, BK=blk.bk, NORM=norm is not None,
         BIAS=bias is not None, GELU=gelu, RES=residual is not None, SPLIT=split, PRECISION=_precision(x),
-        num_warps=blk.warps, num_stages=blk.stages,
+        LINE=line, LINES=_pow2(triton.cdiv(k, line), 1), num_warps=blk.warps, num_stages=blk.stages, **_launch(x),
     )  # fmt: skip
     return y
 
@@ -217,7 +256,7 @@ def attention(
     _attention[grid](
         q, pool, keys, starts, valid, y, nq, keys.shape[1], d**-0.5 * 1.4426950408889634, H=h, D=d, DP=_pow2(d),
         CHUNK=chunk, BQ=bq, BK=bk, PRECISION=_precision(q),
-        STOP=q.is_cuda, KMAX=0 if q.is_cuda else keys.shape[1], num_warps=warps,
+        STOP=q.is_cuda, KMAX=0 if q.is_cuda else keys.shape[1], num_warps=warps, **_launch(q),
     )  # fmt: skip
     return y
 
