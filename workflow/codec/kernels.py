@@ -19,9 +19,10 @@ and the copies around it, the out GEMM, the residual, LayerNorm, the two feed-fo
 Each result is rounded to the activations' dtype where the torch path rounds it (LayerNorm's output,
 a GEMM's output with its bias, the GELU, the residual sum), so the two agree to that rounding.
 
-On Hopper and later the five launch as programmatic dependent launches (`dependent_launch`): each lets
-the next start at once, and a GEMM fetches its weights (which no kernel writes) before it waits for the
-kernel before it to finish, so the weights' latency hides behind that kernel. Nothing a kernel reads or
+On Hopper and later the five launch as programmatic dependent launches (`dependent_launch`): a GEMM
+fetches its weights (which no kernel writes) before it waits for the kernel before it to finish, so
+their latency hides behind that kernel, and once it runs it lets the next launch. Letting it launch
+before the wait chains every kernel of the block in at once, which was slower at 8 streams. Nothing a kernel reads or
 writes of the activations, the pool or the indices is touched before the wait."""
 
 from __future__ import annotations
@@ -73,8 +74,6 @@ if triton is not None:
         go to y [M, SPLIT], the rest to the pool's frame wr[m] (N - SPLIT values a frame). NORM: the
         whole row in one block (BK >= K). GDC: a dependent launch (the weights fetched before the wait;
         without NORM, the program's weight rows into L2, LINES lines of LINE values each)."""
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         m_ok, n_ok = m < M, n < N
@@ -88,6 +87,7 @@ if triton is not None:
             beta = tl.load(be_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             if GDC:
                 tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             mean = tl.sum(x, axis=1) / K
             xc = tl.where(k_ok[None, :], x - mean[:, None], 0.0)
@@ -99,6 +99,7 @@ if triton is not None:
                 line = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
                 _prefetch(w_ptr + tl.minimum(n, N - 1)[:, None] * K + line[None, :])
                 tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             for k0 in range(0, K, BK):
                 k = k0 + tl.arange(0, BK)
                 k_ok = k < K
@@ -163,8 +164,8 @@ if triton is not None:
         get as a constant) over all KMAX keys, the later ones masked. GDC: a dependent launch (every
         input is an activation or an index: it waits first)."""
         if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r, h = tl.program_id(0), tl.program_id(1)
         i = tl.program_id(2) * BQ + tl.arange(0, BQ)
         d = tl.arange(0, DP)
