@@ -344,9 +344,10 @@ class CodecLanes(Lanes):
     def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:
         """Make now the graphs serving would meet, on the lane of later pieces: for a batch of every
         bucket up to `rows` streams, the solve at every frame bucket a reply of up to `max_codes` codes
-        reaches, and HiFT's network at a first and a later call (two pieces, of first_codes and
-        `codes` codes); on the urgent lane the same for up to `few` streams' first audible pieces.
-        Returns the batches run."""
+        reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
+        `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
+        every later one's, so its shape is its own); on the urgent lane the same for up to `few` streams'
+        first audible pieces. Returns the batches run."""
         batch, calls = self.batch, 0
         dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
@@ -362,10 +363,11 @@ class CodecLanes(Lanes):
                                 batch.mel([call] * n, finalize=final)
                             calls += 1
                 keys = [batch.new_key() for _ in range(n)]
-                for done, k in ((0, self.first_codes), (self.first_codes, codes)):
+                fc = self.first_codes
+                for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
                     self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
                     calls += 1
-                self([Piece(s, torch.zeros(0, dtype=torch.long), self.first_codes + codes, True) for s in keys], urgent)[0](True)
+                self([Piece(s, torch.zeros(0, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
         if self.lanes:
             torch.cuda.synchronize(self.device)
         return calls
