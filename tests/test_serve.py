@@ -264,6 +264,36 @@ def test_the_loop_never_waits_for_the_detokenizer(tiny_engine_dir, apart):
     assert reqs[0].chunk_ready == reqs[1].chunk_ready == ready
 
 
+def test_chunks_go_urgent_until_a_stream_has_a_chunks_audio(tiny_engine_dir):
+    """As the codec decoder with a short first hop: a first chunk whose PCM is half a chunk's audio
+    sends the stream's second chunk on the urgent lane too (its deadline is half a chunk away); from
+    the third on, chunks wait for the other lane. A first chunk of a whole chunk's audio (the
+    stand-in's) sends only itself there."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+
+    class Detokenizer:
+        sample_rate = 100.0  # a chunk of 4 codes: 0.32 s, 32 samples
+        first_codes = 4
+
+        def __init__(self, first: int) -> None:
+            self.first, self.sent = first, []
+
+        def __call__(self, pieces, urgent):
+            self.sent += [(p.done, urgent) for p in pieces]
+            return (lambda wait: 1.0), [self.first if p.done == 0 else 8 * len(p.codes) for p in pieces]
+
+    for first, urgent in ((16, [True, True, False, False]), (32, [True, False, False, False])):
+        detok = Detokenizer(first)
+        sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True)), detokenize=detok)
+        assert sched.chunk_samples == 32
+        sched.submit(Request(0, traffic.speech_prompt(1, 20, ids, seed=3)[0], max_steps=16, reply_codes=16))
+        while not sched.idle():
+            sched.iterate()
+        sched.flush()
+        assert [d for d, _ in detok.sent] == [0, 4, 8, 12] and [u for _, u in detok.sent] == urgent, first
+
+
 def test_serving_detokenizer_batches_chunks_by_frame_count():
     """One vocoder call per mel length, the batch padded to its bucket; each chunk's mel at its
     own offset (the CPU: in line, stamped by the clock after it)."""

@@ -347,12 +347,13 @@ class CodecLanes(Lanes):
         reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
         `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
         every later one's, so its shape is its own); on the urgent lane the same for up to `few` streams'
-        first audible pieces. Returns the batches run."""
+        first two audible pieces (the second goes there too while the first made less than a chunk's
+        audio: serve/scheduler.py). Returns the batches run."""
         batch, calls = self.batch, 0
         dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
             for urgent in (False, True) if n <= few and self.lanes else (False,):
-                upto = self.first_codes if urgent else max(max_codes, self.first_codes) + codes
+                upto = self.first_codes + codes if urgent else max(max_codes, self.first_codes) + codes
                 if batch.pad_frames:  # the flow at every frame bucket: its longest call (and last call, fewer rows)
                     pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
                     for end in range(pad, frames + pad, pad):

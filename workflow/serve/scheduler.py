@@ -21,9 +21,11 @@ One thread owns the engine. Each `iterate`:
    and the PCM samples each chunk made final: each chunk is stamped ready when its PCM is, read once known
    (`flush` waits for all). While `detokenize_batches` batches are still running, new chunks wait
    and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
-   side stream would only grow. With `first_chunks_apart`, streams' chunks up to their first PCM
-   (the detokenizer's `first_codes`) go at once, as a batch of their own on its urgent lane: time
-   to first audio waits on them, while a later chunk has the slack of the audio before it.
+   side stream would only grow. With `first_chunks_apart`, a stream's chunks go at once, as a batch
+   of their own on the detokenizer's urgent lane, until the PCM its earlier chunks made covers one
+   chunk's audio: time to first audio waits on the first, and while less than a chunk's audio is in
+   hand (the codec decoder's first PCM can be 80-320 ms) the next chunk's deadline is nearer than the
+   time it takes to make it; a later chunk has the slack of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer).
@@ -47,6 +49,7 @@ from workflow.detokenize import Piece, Ready, chunk_due
 from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
+from workflow.vocoder import SECONDS_PER_TOKEN
 
 Detokenize = Callable[[list[Piece], bool], tuple[Ready, list[int]]]  # (pieces, urgent) -> (ready, samples each made final)
 
@@ -90,7 +93,7 @@ class ServeConfig:
     when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
     hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
-    first_chunks_apart: bool = True  # chunks up to a stream's first PCM go at once, on the detokenizer's urgent lane
+    first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
     sampling: Sampling = field(default_factory=Sampling)
 
 
@@ -108,6 +111,8 @@ class Scheduler:
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
+        rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)  # without one a "sample" is a code
+        self.chunk_samples = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * rate)  # a chunk's audio
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
@@ -187,12 +192,12 @@ class Scheduler:
         self._stamp(wait=True)
 
     def _send(self, due: bool) -> None:
-        """Streams' chunks up to their first PCM (the detokenizer's `first_codes`) at once, on the
-        urgent lane (`first_chunks_apart`); every other waiting chunk in one batch, if `due`."""
+        """The chunks of streams that have less than a chunk's audio made at once, on the urgent lane
+        (`first_chunks_apart`); every other waiting chunk in one batch, if `due`."""
         if self.cfg.first_chunks_apart:
-            first = [c for c in self.outbox if c[2] < self.first_codes]
+            first = [c for c in self.outbox if sum(c[0].chunk_samples) < self.chunk_samples]
             if first:
-                self.outbox = [c for c in self.outbox if c[2] >= self.first_codes]
+                self.outbox = [c for c in self.outbox if sum(c[0].chunk_samples) >= self.chunk_samples]
                 self._batch(first, urgent=True)
         if due and self.outbox:
             chunks, self.outbox = self.outbox, []
