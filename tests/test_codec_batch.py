@@ -123,7 +123,8 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
 @pytest.mark.parametrize("slots", [0, 4])
 def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch, slots):
     """Serving's lanes on CUDA: the flow and HiFT's network replayed from a graph per shape and lane
-    (all made ahead by `warm`), a stream's first pieces on the urgent lane and the rest on the other, the
+    (all made ahead by `warm`), a stream's pieces on the urgent lane until it has a chunk's audio (here its
+    first three: the first PCM, after 6 codes, is 80 ms) and the rest on the other, the
     host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order;
     with flow slots too (each call solving new frames only, its slot written inside the graph).
     TF32 off: the tolerance is float32's."""
@@ -144,13 +145,17 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     g = torch.Generator().manual_seed(3)
     lengths, chunk = {1: 26, 2: 17, 3: 30}, 5
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
-    readies = []
+    readies, made = [], dict.fromkeys(lengths, 0)
     for done in range(0, 30, chunk):
         pieces = [Piece(k, codes[k][done : done + chunk], done, done + chunk >= n) for k, n in lengths.items() if done < n]
-        for urgent in (True, False):  # as the scheduler sends them: before a stream's first PCM, urgent
-            part = [p for p in pieces if (p.done < lanes.first_codes) == urgent]
+        urgent_of = {p.stream: made[p.stream] < chunk * SPC for p in pieces}  # as the scheduler: until a chunk's audio
+        for urgent in (True, False):
+            part = [p for p in pieces if urgent_of[p.stream] == urgent]
             if part:
-                readies.append(lanes(part, urgent)[0])
+                ready, samples = lanes(part, urgent)
+                readies.append(ready)
+                made.update({p.stream: made[p.stream] + n for p, n in zip(part, samples, strict=True)})
+    assert lanes.first_codes == 6 and not any(urgent_of.values())  # the last pieces went to the other lane
     assert all(r(True) > 0 for r in readies) and not lanes.batch.streams and not lanes.batch.slot_of
     for k, n in lengths.items():
         own = alone(dec, voice, k, codes[k].to(dev), chunk)

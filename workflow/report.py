@@ -198,7 +198,7 @@ def load_markdown(load: dict) -> list[str]:
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
-        "streams' chunks up to their first PCM).",
+        "streams' chunks until each has a chunk's audio).",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
         "device: prefill / sample / decode / detok. (first) | slots in use | refused / failed |",

@@ -54,7 +54,7 @@ class LoadConfig:
     prefill_tokens: int = 2048
     when_full: str = "queue"
     detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
-    first_chunks_apart: bool = True  # chunks up to a stream's first PCM at once, on the urgent lane (ServeConfig)
+    first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
     seed: int = 9101
 
     @property
