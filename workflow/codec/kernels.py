@@ -21,9 +21,10 @@ a GEMM's output with its bias, the GELU, the residual sum), so the two agree to 
 
 On Hopper and later the five launch as programmatic dependent launches (`dependent_launch`): a GEMM
 fetches its weights (which no kernel writes) before it waits for the kernel before it to finish, so
-their latency hides behind that kernel, and once it runs it lets the next launch. Letting it launch
-before the wait chains every kernel of the block in at once, which was slower at 8 streams. Nothing a kernel reads or
-writes of the activations, the pool or the indices is touched before the wait."""
+their latency hides behind that kernel. Nothing else (activations, the pool, the indices) is read or
+written before the wait. A kernel lets the next launch only once its own wait is over: a next one
+launched at once would let the one after it launch too, and a block's kernels would all sit waiting
+on the SMs at once."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ One thread owns the engine. Each `iterate`:
    side stream would only grow. With `first_chunks_apart`, a stream's chunks go at once, as a batch
    of their own on the detokenizer's urgent lane, until the PCM its earlier chunks made covers one
    chunk's audio: time to first audio waits on the first, and while less than a chunk's audio is in
-   hand (the codec decoder's first PCM can be 80-320 ms) the next chunk's deadline is nearer than the
+   hand (the codec decoder's first PCM is 80-400 ms) the next chunk's deadline is nearer than the
    time it takes to make it; a later chunk has the slack of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
@@ -112,7 +112,7 @@ class Scheduler:
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
         rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)  # without one a "sample" is a code
-        self.chunk_samples = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * rate)  # a chunk's audio
+        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * rate)  # a chunk's audio, in samples
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
@@ -195,9 +195,9 @@ class Scheduler:
         """The chunks of streams that have less than a chunk's audio made at once, on the urgent lane
         (`first_chunks_apart`); every other waiting chunk in one batch, if `due`."""
         if self.cfg.first_chunks_apart:
-            first = [c for c in self.outbox if sum(c[0].chunk_samples) < self.chunk_samples]
+            first = [c for c in self.outbox if sum(c[0].chunk_samples) < self.chunk_audio]
             if first:
-                self.outbox = [c for c in self.outbox if sum(c[0].chunk_samples) >= self.chunk_samples]
+                self.outbox = [c for c in self.outbox if sum(c[0].chunk_samples) >= self.chunk_audio]
                 self._batch(first, urgent=True)
         if due and self.outbox:
             chunks, self.outbox = self.outbox, []
