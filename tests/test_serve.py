@@ -294,6 +294,31 @@ def test_chunks_go_urgent_until_a_stream_has_a_chunks_audio(tiny_engine_dir):
         assert [d for d, _ in detok.sent] == [0, 4, 8, 12] and [u for _, u in detok.sent] == urgent, first
 
 
+@pytest.mark.parametrize("hold", [1, 3])
+def test_a_speaking_streams_later_chunks_wait_until_hold_of_them_do(tiny_engine_dir, hold):
+    """`detokenize_hold`: a stream's chunks after the urgent first go together once `hold` of them
+    wait (one codec flow call decodes them), and all that wait go when the stream ends; with 1, each
+    goes as it is made."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    sent: list[tuple[list[int], bool]] = []
+
+    def detokenize(pieces, urgent):
+        sent.append(([p.done for p in pieces], urgent))
+        return (lambda wait: 1.0), [len(p.codes) for p in pieces]  # every chunk its whole audio
+
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, detokenize_hold=hold, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize)
+    req = Request(0, traffic.speech_prompt(1, 20, ids, seed=3)[0], max_steps=22, reply_codes=22)
+    sched.submit(req)
+    while not sched.idle():
+        sched.iterate()
+    sched.flush()
+    assert req.error is None and req.stamped and req.chunk_codes == [4, 4, 4, 4, 4, 2]
+    later = [[4], [8], [12], [16], [20]] if hold == 1 else [[4, 8, 12], [16, 20]]
+    assert sent == [([0], True)] + [(d, False) for d in later]
+
+
 def test_serving_detokenizer_batches_chunks_by_frame_count():
     """One vocoder call per mel length, the batch padded to its bucket; each chunk's mel at its
     own offset (the CPU: in line, stamped by the clock after it)."""

@@ -54,6 +54,7 @@ class LoadConfig:
     prefill_tokens: int = 2048
     when_full: str = "queue"
     detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
+    detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
     seed: int = 9101
 
@@ -146,7 +147,8 @@ def run_level(
     cfg = level.cfg
     serve = ServeConfig(
         chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
-        detokenize_batches=cfg.detokenize_batches, first_chunks_apart=cfg.first_chunks_apart, sampling=sampling,
+        detokenize_batches=cfg.detokenize_batches, detokenize_hold=cfg.detokenize_hold,
+        first_chunks_apart=cfg.first_chunks_apart, sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate = pcm_rate(detokenize)

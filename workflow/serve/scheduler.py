@@ -21,7 +21,9 @@ One thread owns the engine. Each `iterate`:
    and the PCM samples each chunk made final: each chunk is stamped ready when its PCM is, read once known
    (`flush` waits for all). While `detokenize_batches` batches are still running, new chunks wait
    and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
-   side stream would only grow. With `first_chunks_apart`, a stream's chunks go at once, as a batch
+   side stream would only grow. With `detokenize_hold` > 1 a speaking stream's chunks also wait
+   until that many do: the codec decoder decodes them in one flow call for nearly the cost of one,
+   and a stream far ahead of its playback can afford the wait. With `first_chunks_apart`, a stream's chunks go at once, as a batch
    of their own on the detokenizer's urgent lane, until the PCM its earlier chunks made covers one
    chunk's audio: time to first audio waits on the first, and while less than a chunk's audio is in
    hand (the codec decoder's first PCM is 80-400 ms) the next chunk's deadline is nearer than the
@@ -39,7 +41,7 @@ others.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -93,6 +95,7 @@ class ServeConfig:
     when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
     hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
+    detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
     sampling: Sampling = field(default_factory=Sampling)
 
@@ -188,20 +191,25 @@ class Scheduler:
     def flush(self) -> None:
         """Send what waits, then wait for the detokenizer and the device: every chunk made is
         stamped, every phase timed."""
-        self._send(due=True)
+        self._send(due=True, hold=False)
         self._stamp(wait=True)
 
-    def _send(self, due: bool) -> None:
+    def _send(self, due: bool, hold: bool = True) -> None:
         """The chunks of streams that have less than a chunk's audio made at once, on the urgent lane
-        (`first_chunks_apart`); every other waiting chunk in one batch, if `due`."""
+        (`first_chunks_apart`); every other waiting chunk in one batch, if `due`, but a speaking
+        stream's only once `detokenize_hold` of them wait (hold: False sends them all)."""
         if self.cfg.first_chunks_apart:
             first = [c for c in self.outbox if sum(c[0].chunk_samples) < self.chunk_audio]
             if first:
                 self.outbox = [c for c in self.outbox if sum(c[0].chunk_samples) >= self.chunk_audio]
                 self._batch(first, urgent=True)
         if due and self.outbox:
-            chunks, self.outbox = self.outbox, []
-            self._batch(chunks, urgent=False)
+            waiting = Counter(c[0].rid for c in self.outbox)
+            speaking = {r.rid for r in self.streams.values()} if hold else set()
+            go = [c for c in self.outbox if c[0].rid not in speaking or waiting[c[0].rid] >= self.cfg.detokenize_hold]
+            self.outbox = [c for c in self.outbox if c[0].rid in speaking and waiting[c[0].rid] < self.cfg.detokenize_hold]
+            if go:
+                self._batch(go, urgent=False)
 
     def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
         if self.detokenize is None:  # no detokenizer: a chunk is ready when made, a "sample" a code
