@@ -20,6 +20,7 @@
 # bf16 and FP8 together no longer fit one machine's 30-minute hold (H100 run 16: ~1,900 s with the load):
 # run bf16 verify and bf16 on one machine, then fp8 calibrate, fp8 verify and fp8 on a fresh one (its
 # calibrate call redoes download and convert; FP8 calibration alone took 305-340 s there).
+# benchmark.json's `sections_s` says where a benchmark call's time went (eager baseline, engine, codec, load).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
 # (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).
 # Each call tars the small artifacts (verify.json, benchmark.*, plots, engine.json, amax.json,

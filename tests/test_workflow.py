@@ -167,6 +167,10 @@ def test_benchmark_json_keeps_its_schema_and_plots(chain):
     assert all(lv["served"] == lv["requests"] > 0 for lv in load["levels"])
     assert bench["summary"]["streams_at_slo"] == load["streams_at_slo"] and bench["summary"]["ttfa_slo_ms"] == 200
     assert "## Under load: streams per GPU at TTFA p99 <= 200 ms" in (out / "benchmark.md").read_text()
+    # each part's wall time, in the order it ran
+    parts = bench["sections_s"]
+    assert list(parts) == ["eager_baseline", "engine", "codec", "load"] and all(s > 0 for s in parts.values())
+    assert "Wall time of this run's parts: eager_baseline " in (out / "benchmark.md").read_text()
     for png in ("timeline.png", "latency_cdf.png", "concurrency.png", "load.png", "load_timeline.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     del bench["summary"]["rtf"]

@@ -284,14 +284,24 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: " + ", ".join(f"{n} streams RTF p50 {r['rtf']['p50']:.3f}" for n, r in b["streams"][name].items()))
 
     b: dict = {"streams": {}, "microbench": {}, "speech": b_speech}
+    sections: dict[str, float] = {}  # wall seconds each part of the run took, in order
+
+    def done(name: str, t0: float) -> None:
+        sections[name] = time.perf_counter() - t0
+        print(f"benchmark: {name} took {sections[name]:.0f} s", flush=True)
+
+    t0 = time.perf_counter()
     if p["baseline"]:  # first, and gone before the engine's slots are allocated: a second copy of the weights
         ref = MossSpeechReference(load_spec(args.hf), load_hf_state(args.hf, device=str(device)), dtype, device)
         measure("eager_baseline", ReferenceEngine(ref, device))  # type: ignore[arg-type]
         del ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        done("eager_baseline", t0)
+    t0 = time.perf_counter()
     engine = load_engine(args.engine, max_batch=max([*concurrency, load_cfg.slots if load_cfg else 0]))
     measure("engine", engine)
+    done("engine", t0)
     b = {k: {"engine": v.pop("engine"), **v} if k in ("streams", "microbench") else v for k, v in b.items()}  # the engine first
     bandwidth, peak = roofline.copy_bandwidth(device), roofline.matmul_peak(device)
     trunk_bytes = 1 if meta["options"].precision == "fp8" else dtype.itemsize
@@ -310,14 +320,19 @@ def main(argv: list[str] | None = None) -> None:
         "(CPU: float32) matmul rate. FP8 prefill could run twice the bf16 rate: its floor here is the bf16 one.",
     }
     if p.get("codec"):  # the codec's stage costs, before the load: its timing graphs hold tens of GB until freed
+        t0 = time.perf_counter()
         idle()  # and the flow slots' tens of GB go meanwhile
         prompt = traffic.speech_prompt(1, p["prompt_len"], ids, seed=0)
         b["codec"] = codec_timing.measure(CodecTiming.from_dict(p["codec"]), device, first_codes(engine, prompt, ids))
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        done("codec", t0)
     if load_cfg:
+        t0 = time.perf_counter()
         b["load"] = load.run(engine, serving(), time.perf_counter, load_cfg, ids, p["chunk_tokens"], sampling_of(p))
         b["load"]["memory"] = load.slot_memory(engine, engine.defer_text_fill)
+        done("load", t0)
+    b["sections_s"] = sections
     b["summary"] = summarize(b, concurrency, p["num_tokens"])
     if load_cfg:
         b["summary"] |= {"streams_at_slo": b["load"]["streams_at_slo"], "ttfa_slo_ms": b["load"]["ttfa_slo_ms"]}

@@ -122,6 +122,9 @@ def markdown(b: dict) -> str:
         lines += load_markdown(b["load"])
     if "codec" in b:
         lines += codec_markdown(b["codec"])
+    if b.get("sections_s"):
+        parts = ", ".join(f"{name} {s:.0f} s" for name, s in b["sections_s"].items())
+        lines += ["", f"Wall time of this run's parts: {parts}."]
     return "\n".join(lines) + "\n"
 
 
