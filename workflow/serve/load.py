@@ -37,7 +37,7 @@ from workflow import traffic
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
-from workflow.serve.scheduler import Detokenize, Request, Scheduler, ServeConfig
+from workflow.serve.scheduler import Detokenize, Request, Scheduler, ServeConfig, pcm_rate
 from workflow.vocoder import SECONDS_PER_TOKEN
 
 
@@ -70,11 +70,6 @@ class LoadConfig:
             raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
         tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
         return cls(**(d | tuples))
-
-
-def pcm_rate(detokenize: Detokenize | None) -> float:
-    """The detokenizer's PCM samples a second; with none, the scheduler counts a code as a sample."""
-    return getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
 
 
 def audible(req: Request, sample_rate: float) -> list[tuple[float, float]]:

@@ -23,11 +23,12 @@ One thread owns the engine. Each `iterate`:
    and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
    side stream would only grow. With `detokenize_hold` > 1 a speaking stream's chunks also wait
    until that many do: the codec decoder decodes them in one flow call for nearly the cost of one,
-   and a stream far ahead of its playback can afford the wait. With `first_chunks_apart`, a stream's chunks go at once, as a batch
-   of their own on the detokenizer's urgent lane, until the PCM its earlier chunks made covers one
-   chunk's audio: time to first audio waits on the first, and while less than a chunk's audio is in
-   hand (the codec decoder's first PCM is 80-400 ms) the next chunk's deadline is nearer than the
-   time it takes to make it; a later chunk has the slack of the audio before it.
+   and a stream far ahead of its playback can afford the wait. With `first_chunks_apart`, a
+   stream's chunks go at once, as a batch of their own on the detokenizer's urgent lane, until the
+   PCM its earlier chunks made covers one chunk's audio: time to first audio waits on the first,
+   and while less than a chunk's audio is in hand (the codec decoder's first PCM is 80-400 ms) the
+   next chunk's deadline is nearer than the time it takes to make it; a later chunk has the slack
+   of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer).
@@ -54,6 +55,11 @@ from workflow.serve.phases import Phases
 from workflow.vocoder import SECONDS_PER_TOKEN
 
 Detokenize = Callable[[list[Piece], bool], tuple[Ready, list[int]]]  # (pieces, urgent) -> (ready, samples each made final)
+
+
+def pcm_rate(detokenize: Detokenize | None) -> float:
+    """The detokenizer's PCM samples a second; with none, the scheduler counts a code as a sample."""
+    return getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
 
 
 @dataclass
@@ -114,8 +120,7 @@ class Scheduler:
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
-        rate = getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)  # without one a "sample" is a code
-        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * rate)  # a chunk's audio, in samples
+        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * pcm_rate(detokenize))  # a chunk's, in samples
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
@@ -199,17 +204,18 @@ class Scheduler:
         (`first_chunks_apart`); every other waiting chunk in one batch, if `due`, but a speaking
         stream's only once `detokenize_hold` of them wait (hold: False sends them all)."""
         if self.cfg.first_chunks_apart:
-            first = [c for c in self.outbox if sum(c[0].chunk_samples) < self.chunk_audio]
-            if first:
-                self.outbox = [c for c in self.outbox if sum(c[0].chunk_samples) >= self.chunk_audio]
-                self._batch(first, urgent=True)
-        if due and self.outbox:
+            self._send_where(lambda req: sum(req.chunk_samples) < self.chunk_audio, urgent=True)
+        if due:
             waiting = Counter(c[0].rid for c in self.outbox)
             speaking = {r.rid for r in self.streams.values()} if hold else set()
-            go = [c for c in self.outbox if c[0].rid not in speaking or waiting[c[0].rid] >= self.cfg.detokenize_hold]
-            self.outbox = [c for c in self.outbox if c[0].rid in speaking and waiting[c[0].rid] < self.cfg.detokenize_hold]
-            if go:
-                self._batch(go, urgent=False)
+            self._send_where(lambda req: req.rid not in speaking or waiting[req.rid] >= self.cfg.detokenize_hold, urgent=False)
+
+    def _send_where(self, goes: Callable[[Request], bool], urgent: bool) -> None:
+        """The waiting chunks whose request `goes`, in one batch; the rest keep waiting."""
+        go = [c for c in self.outbox if goes(c[0])]
+        if go:
+            self.outbox = [c for c in self.outbox if not goes(c[0])]
+            self._batch(go, urgent)
 
     def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
         if self.detokenize is None:  # no detokenizer: a chunk is ready when made, a "sample" a code
