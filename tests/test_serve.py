@@ -319,6 +319,40 @@ def test_a_speaking_streams_later_chunks_wait_until_hold_of_them_do(tiny_engine_
     assert sent == [([0], True)] + [(d, False) for d in later]
 
 
+@pytest.mark.parametrize("detok_cap,cfg_cap,cap", [(2, 0, 2), (0, 3, 3), (3, 2, 2), (0, 0, 4)])
+def test_no_more_streams_open_than_the_detokenizer_serves(tiny_engine_dir, detok_cap, cfg_cap, cap):
+    """A stream is open from its admission until its last chunk is sent, and at most `max_streams`
+    are (the detokenizer's, as the codec decoder's flow slots; ServeConfig's; the engine's 4 slots):
+    here the detokenizer's batches finish only when waited for, so a finished stream's last chunk
+    waits in the outbox, and a request must still not be admitted beside it. All are served."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+
+    class Detokenizer:
+        def __init__(self) -> None:
+            self.max_streams, self.open, self.most = detok_cap, set(), 0
+
+        def __call__(self, pieces, urgent):
+            for p in pieces:
+                (self.open.discard if p.last else self.open.add)(p.stream)
+            self.most = max(self.most, len(self.open))
+            return (lambda wait: 1.0 if wait else None), [len(p.codes) for p in pieces]
+
+    detok = Detokenizer()
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=1, max_streams=cfg_cap, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=detok)
+    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=10, reply_codes=10) for i in range(6)]
+    for req in reqs:
+        sched.submit(req)
+    speaking = 0
+    while not sched.idle():
+        sched.iterate()
+        speaking = max(speaking, len(sched.streams))
+    sched.flush()
+    assert speaking == cap and detok.most <= cap and not detok.open
+    assert all(r.error is None and r.stamped and sum(r.chunk_codes) == 10 for r in reqs)
+
+
 def test_serving_detokenizer_batches_chunks_by_frame_count():
     """One vocoder call per mel length, the batch padded to its bucket; each chunk's mel at its
     own offset (the CPU: in line, stamped by the clock after it)."""

@@ -312,6 +312,7 @@ class CodecLanes(Lanes):
         super().__init__(batch.decoder.cfg.hift.sampling_rate, device, clock, anchor_s)
         self.batch, self.sink = batch, sink
         self.first_codes = batch.first_codes
+        self.max_streams = batch.slot_count  # streams served at full speed: one a flow slot (0: no slots, none faster)
         self.lane_of: dict[int, torch.cuda.Stream] = {}  # CUDA: each stream's last lane
         self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
 

@@ -67,6 +67,7 @@ class FlowSlots:
         self.frames = max(frames, self.base)  # a row's frames (the prompt's row holds its past)
         self.count = slots
         self.free = list(range(slots))
+        self.freed: dict[int, torch.cuda.Event] = {}  # CUDA: each released slot's last use, on the lane that made it
         self.parity = [0] * slots
         self.attn = [b.attn1 for b in est.transformer_blocks()]
         self.convs = [m for m in est.modules() if isinstance(m, CausalConv1d)]
@@ -102,14 +103,23 @@ class FlowSlots:
         return cfg.solver.steps * (kv + tails) * est.final_proj.weight.element_size()
 
     def take(self) -> int:
-        """A free slot for a new stream."""
+        """A free slot for a new stream. On CUDA the current stream first waits for the slot's last
+        use: its last stream's final call may still run on the other lane, and the new stream's
+        first call writes the same rows."""
         if not self.free:
             raise RuntimeError(f"all {self.count} flow slots are taken (benchmark.codec.slots)")
-        return self.free.pop(0)
+        slot = self.free.pop(0)
+        if slot in self.freed:
+            torch.cuda.current_stream(self.decoder.device).wait_event(self.freed.pop(slot))
+        return slot
 
     def release(self, slot: int) -> None:
+        """Called after the slot's last call is launched, on the lane that launched it."""
         self.parity[slot] = 0
         self.free.append(slot)
+        if self.decoder.device.type == "cuda":
+            self.freed[slot] = torch.cuda.Event()
+            self.freed[slot].record(torch.cuda.current_stream(self.decoder.device))
 
     def index(self, slots: list[int | None], starts: list[int], ends: list[int], new: int, keys: int) -> SlotIndex:
         """The rows of a call: per row its slot (None: padding, the scratch row), its first and end

@@ -50,7 +50,7 @@ class LoadConfig:
     reply_seconds: tuple[float, float] = (4.0, 20.0)
     prompt_len: int = 512
     ttfa_slo_ms: float = 200.0
-    slots: int = 8  # the engine's slots (max_batch) for the load
+    slots: int = 8  # streams open at once (the scheduler's max_streams; graphs are made for up to this many)
     prefill_tokens: int = 2048
     when_full: str = "queue"
     detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
@@ -143,7 +143,7 @@ def run_level(
     serve = ServeConfig(
         chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
         detokenize_batches=cfg.detokenize_batches, detokenize_hold=cfg.detokenize_hold,
-        first_chunks_apart=cfg.first_chunks_apart, sampling=sampling,
+        first_chunks_apart=cfg.first_chunks_apart, max_streams=cfg.slots, sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate = pcm_rate(detokenize)

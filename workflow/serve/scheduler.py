@@ -3,7 +3,9 @@
 One thread owns the engine. Each `iterate`:
 
 1. admits queued requests into free slots, at most `prefill_tokens` prompt tokens an iteration
-   (always at least one prompt), prompts of one length in one batched prefill. Prompts are
+   (always at least one prompt), prompts of one length in one batched prefill, while fewer than
+   `max_streams` streams are open (the detokenizer's limit too: a stream beyond the codec
+   decoder's flow slots would re-run every frame of its reply each call). Prompts are
    admitted whole, not chunked: a 512-token prefill costs about two decode steps of a full batch,
    far inside the 80 ms each running stream has per code, and the token budget keeps a burst of
    arrivals from stacking more than that in front of one step;
@@ -103,6 +105,7 @@ class ServeConfig:
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
+    max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
     sampling: Sampling = field(default_factory=Sampling)
 
 
@@ -121,6 +124,8 @@ class Scheduler:
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
         self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * pcm_rate(detokenize))  # a chunk's, in samples
+        limits = (engine.max_batch, cfg.max_streams, getattr(detokenize, "max_streams", 0))
+        self.max_streams = min(n for n in limits if n)  # see `_free_slots`
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
@@ -153,8 +158,8 @@ class Scheduler:
                 return f"{name} id {int(bad[0])} is outside the {name} vocabulary (0..{size - 1})"
         if t + req.max_steps > self.engine.max_seq_len:
             return f"prompt {t} + reply {req.max_steps} positions exceed a slot's {self.engine.max_seq_len}"
-        if self.cfg.when_full == "refuse" and len(self.streams) + len(self.queue) >= self.engine.max_batch:
-            return f"all {self.engine.max_batch} slots are busy"
+        if self.cfg.when_full == "refuse" and len(self.streams) + len(self.queue) >= self.max_streams:
+            return f"all {self.max_streams} slots are busy"
         return None
 
     def cancel(self, rid: int) -> None:
@@ -270,8 +275,14 @@ class Scheduler:
             self._add_logits(slots, text, audio)
 
     def _free_slots(self) -> list[int]:
+        """The engine slots a queued request may take now: a stream is open from its admission until
+        its last chunk is sent (so long the detokenizer keeps its state: the codec decoder a flow
+        slot, past which a stream re-runs every frame of its reply each call), and at most
+        `max_streams` are open."""
         busy = set(self.streams)
-        return [s for s in range(self.engine.max_batch) if s not in busy]
+        closing = {c[0].rid for c in self.outbox} - {r.rid for r in self.streams.values()}
+        room = self.max_streams - len(self.streams) - len(closing)
+        return [s for s in range(self.engine.max_batch) if s not in busy][: max(0, room)]
 
     def _add_logits(self, slots: list[int], text: torch.Tensor | None, audio: torch.Tensor) -> None:
         if self.logits is None:
