@@ -17,7 +17,7 @@
 # out of its stage). A call cut at its 560 s limit
 # ("snakemake exit 124") is run again as it is: the rules it finished are cached, so the second
 # call runs what is left (H100 run 8 in docs/levers.md).
-# bf16 and FP8 together no longer fit one machine's 30-minute hold (H100 run 16: ~1,900 s with the load):
+# bf16 and FP8 together no longer fit one machine's 30-minute hold (H100 run 18: ~2,100 s with the load):
 # run bf16 verify and bf16 on one machine, then fp8 calibrate, fp8 verify and fp8 on a fresh one (its
 # calibrate call redoes download and convert; FP8 calibration alone took 305-340 s there).
 # benchmark.json's `sections_s` says where a benchmark call's time went (eager baseline, engine, codec, load).
