@@ -406,6 +406,8 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         assert 0 < lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p99"] and 0 < lv["busy_fraction"] <= 1
         assert set(lv["device_busy"]) == {"prefill", "sample", "decode"}  # no detokenizer given
         assert 0 < sum(lv["device_busy"].values()) <= lv["busy_fraction"]  # the CPU: its phases are the loop's time
+        q = lv["queued_ms"]  # arrival to admission, part of each request's time to first audio
+        assert lv["max_streams"] == 4 and q["n"] == lv["served"] and 0 <= q["p50"] <= q["p99"] <= lv["ttfa_ms"]["p99"]
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
     t = out["timeline"]

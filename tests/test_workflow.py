@@ -165,6 +165,13 @@ def test_benchmark_json_keeps_its_schema_and_plots(chain):
     load = bench["load"]  # the serving benchmark of the tiny default: two closed-loop levels
     assert [(lv["kind"], lv["value"]) for lv in load["levels"]] == [("closed", 2), ("closed", 8)]
     assert all(lv["served"] == lv["requests"] > 0 for lv in load["levels"])
+    # at most as many streams open as the tiny codec's 4 flow slots (load.slots: 8); each one's wait to admission
+    assert all(lv["max_streams"] == 4 and lv["queued_ms"]["n"] == lv["served"] for lv in load["levels"])
+    # the engine's few-row steps (its 8 slots), not the baseline's
+    rows = {k for k in bench["microbench"]["engine"] if k.endswith("_rows_ms")}
+    assert rows == {f"decode_audio_mode_{n}_rows_ms" for n in (2, 4, 8)}
+    assert not any(k.endswith("_rows_ms") for k in bench["microbench"]["eager_baseline"])
+    assert "decode step alone at 1 / 2 / 4 / 8 streams" in (out / "benchmark.md").read_text()
     assert bench["summary"]["streams_at_slo"] == load["streams_at_slo"] and bench["summary"]["ttfa_slo_ms"] == 200
     assert "## Under load: streams per GPU at TTFA p99 <= 200 ms" in (out / "benchmark.md").read_text()
     # each part's wall time, in the order it ran

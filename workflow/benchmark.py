@@ -48,12 +48,14 @@ from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
 SCHEMA = Path(__file__).with_name("benchmark.schema.json")
+ROWS = (2, 4, 8)  # few-row decode steps, as serving's: the fused GEMV takes up to 4 rows (tuned at one), cuBLAS more
 
 
-def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len: int = 0) -> dict:
+def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len: int = 0, rows: tuple[int, ...] = ()) -> dict:
     """The engine's own calls at batch 1: prefill of the prompt, one decode step per mode, and
     (reply_len > 0) the first text-mode step after a spoken reply of `reply_len` audio steps:
-    where an engine that defers the text branch pays for it (once for the whole reply)."""
+    where an engine that defers the text branch pays for it (once for the whole reply); then an
+    audio-mode step of each of `rows` streams (`decode_audio_mode_<n>_rows_ms`), alone on the GPU."""
     prompt = traffic.speech_prompt(1, prompt_len, ids, seed=0)
     prefill = roofline.timed_ms(lambda: engine.prefill(prompt), engine.device, repeat)
     engine.prefill(prompt)
@@ -68,6 +70,10 @@ def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len
             roofline.timed_ms(lambda: engine.decode(text_step, need_text=True), engine.device, repeat)
         ),
     }
+    for n in (r for r in rows if r <= engine.max_batch):
+        engine.prefill(traffic.speech_prompt(n, prompt_len, ids, seed=0))
+        step = functools.partial(engine.decode, audio_step.repeat(n, 1), need_text=False)
+        out[f"decode_audio_mode_{n}_rows_ms"] = percentiles(roofline.timed_ms(step, engine.device, repeat))
     if not reply_len:
         return out
     after = []
@@ -278,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def measure(name: str, system: Engine) -> None:
         reply_len = p["num_tokens"] if name == "engine" else 0  # the eager baseline defers nothing: minutes saved
-        b["microbench"][name] = microbench(system, p["prompt_len"], ids, p["micro_repeat"], reply_len)
+        rows = ROWS if name == "engine" else ()
+        b["microbench"][name] = microbench(system, p["prompt_len"], ids, p["micro_repeat"], reply_len, rows)
         batches = concurrency if name == "engine" else [1]
         b["streams"][name] = {str(n): streams(system, p, speech, spt, ids, n) for n in batches}
         print(f"{name}: " + ", ".join(f"{n} streams RTF p50 {r['rtf']['p50']:.3f}" for n, r in b["streams"][name].items()))

@@ -103,8 +103,19 @@ def markdown(b: dict) -> str:
         text = mb["decode_text_mode_ms"]["p50"]
         after = f"{mb['decode_text_after_reply_ms']['p50']:.3f}" if "decode_text_after_reply_ms" in mb else "not timed"
         lines.append(f"| {name} | {mb['prefill_ms']['p50']:.2f} | {a['p50']:.3f} / {a['p99']:.3f} | {text:.3f} | {after} |")
+    lines.append(f"| floor | {f['prefill_ms']:.2f} | {f['decode_audio_mode_ms']:.3f} | {f['decode_text_mode_ms']:.3f} | |")
+    engine_mb = b["microbench"]["engine"]
+    rows = {k.split("_")[3]: v["p50"] for k, v in engine_mb.items() if k.endswith("_rows_ms")}
+    if rows:
+        lines += [
+            "",
+            "The engine's audio-mode decode step alone at 1 / "
+            + " / ".join(rows)
+            + " streams: "
+            + " / ".join(f"{ms:.3f}" for ms in [engine_mb["decode_audio_mode_ms"]["p50"], *rows.values()])
+            + " ms p50 (serving's few-row steps; the fused GEMV takes up to 4 rows, cuBLAS more).",
+        ]
     lines += [
-        f"| floor | {f['prefill_ms']:.2f} | {f['decode_audio_mode_ms']:.3f} | {f['decode_text_mode_ms']:.3f} | |",
         "",
         "| system | streams | TTFA ms p50 / p99 | RTF p50 | prefill ms | token ms p50 / p99 | mel ms | vocoder ms | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -201,11 +212,12 @@ def load_markdown(load: dict) -> list[str]:
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
-        "streams' chunks until each has a chunk's audio).",
+        "streams' chunks until each has a chunk's audio); slots in use: streams speaking on average (in brackets the most "
+        "open at once: the engine's slots, load.slots and the detokenizer's flow slots); queued: arrival to admission.",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
-        "device: prefill / sample / decode / detok. (first) | slots in use | refused / failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "device: prefill / sample / decode / detok. (first) | slots in use (at most) | queued ms p99 | refused / failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in load["levels"]:
         t, d = lv["ttfa_ms"], lv["device_busy"]
@@ -215,7 +227,8 @@ def load_markdown(load: dict) -> list[str]:
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
             f"| {' / '.join(f'{d.get(k, 0.0):.2f}' for k in ('prefill', 'sample', 'decode', 'detokenize'))}"
             f"{f' ({d[FIRST]:.2f})' if FIRST in d else ''} "
-            f"| {lv['mean_active_slots']:.1f} | {lv['refused']} / {lv['failed']} |"
+            f"| {lv['mean_active_slots']:.1f} ({lv['max_streams']}) | {lv['queued_ms']['p99']:.1f} "
+            f"| {lv['refused']} / {lv['failed']} |"
         )
     return lines
 

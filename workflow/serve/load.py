@@ -187,6 +187,7 @@ def run_level(
     done = sched.done
     served = [r for r in done if r.error is None]
     ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
+    queued = [1e3 * (r.t_admit - r.t_arrival) for r in served if r.t_admit is not None]
     runs = [underruns(r, rate) for r in served]
     offered = level.value if level.kind == "closed" else level.value * level.mean_reply_s
     return {
@@ -198,6 +199,8 @@ def run_level(
         "refused": sum(r.error is not None and r.error.startswith("refused") for r in done),
         "failed": sum(r.error is not None and not r.error.startswith("refused") for r in done),
         "ttfa_ms": percentiles(ttfa),
+        "queued_ms": percentiles(queued),  # arrival to admission: part of time to first audio
+        "max_streams": sched.max_streams,
         "underruns": sum(n for n, _ in runs),
         "stalled_s": sum(s for _, s in runs),
         "tokens_per_s": sum(len(r.codes) for r in done) / wall,
