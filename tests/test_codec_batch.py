@@ -89,8 +89,8 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     """The load benchmark with the codec decoder as serving's detokenizer (the CPU: in line): every
     request served, its PCM whole (codes x 1920 samples), its first chunk as many codes as the first
     PCM needs (6 here), so its time to first audio the first chunk's, and no decoder state left
-    behind; `warm` leaves none either. With one flow slot for two users, some streams solve new
-    frames only and others re-run every frame, in the same batches."""
+    behind; `warm` leaves none either. With one flow slot for two users, serving opens one stream at
+    a time (`CodecLanes.max_streams`), so that none re-runs every frame."""
     engine = load_engine(tiny_engine_dir)
     ids = Ids.of(engine.spec)
     detok = CodecLanes(CodecBatch(decoder, voice, slots=slots, max_codes=20), torch.device("cpu"), time.perf_counter)
@@ -111,6 +111,7 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     finally:
         load.run_level = real
     assert out["levels"][0]["served"] == out["levels"][0]["requests"] > 0 and not detok.batch.streams
+    assert out["levels"][0]["max_streams"] == (slots or cfg.slots)
     assert not detok.batch.slot_of and (not slots or len(detok.batch.slots.free) == slots)
     for req in served:
         assert req.error is None and sum(req.chunk_samples) == len(req.codes) * SPC

@@ -64,6 +64,26 @@ def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
         batch.release()
 
 
+def test_streams_past_the_slots_re_run_every_frame_beside_the_slotted_ones(decoder, voice):
+    """Three streams on one slot (serving opens no more streams than slots, but a stream that outgrows
+    its slot, or a caller of the batch, meets this): the first holds the slot, the others re-run every
+    frame, in the same batches; each one's PCM is its own alone, whole."""
+    g = torch.Generator().manual_seed(4)
+    lengths, joins = {1: 17, 2: 13, 3: 21}, {1: 0, 2: 0, 3: 1}
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    batch = CodecBatch(decoder, voice, slots=1, max_codes=40)
+    mixed = []  # after a step: a slotted stream and an unslotted one speak
+
+    def after(ended: set[int]) -> None:
+        mixed.append(bool(batch.slot_of) and any(k not in batch.slot_of for k in batch.streams))
+
+    got = in_steps(batch, codes, joins, 5, after)
+    assert any(mixed) and not batch.streams and batch.slots.free == [0]
+    for k, n in lengths.items():
+        own = alone(decoder, voice, k, codes[k], 5)
+        assert got[k].shape == own.shape == (n * SPC,) and (got[k] - own).abs().max() <= ATOL_PCM, k
+
+
 def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
     """Chunks that waited: with a slot, a stream's consecutive flow calls go as one while their new
     frames fit a call (under chunk masks the frames of one call over two chunks are those of two
