@@ -179,6 +179,9 @@ def test_faults_under_load_leave_the_other_streams_unchanged(tiny_engine_dir):
     for r in requests(ids, 5):
         full.submit(r)
     assert full.done[-1].error == "refused: all 4 slots are busy" and len(full.queue) == 4
+    capped = Scheduler(engine, ids, ServeConfig(when_full="refuse", max_streams=2, sampling=Sampling(greedy=True)))
+    assert [capped.submit(r) for r in requests(ids, 3)] == [True, True, False]  # max_streams caps it too
+    assert capped.done[-1].error == "refused: all 2 slots are busy"
 
 
 def test_chunks_go_out_every_k_codes_and_the_rest_at_the_end(tiny_engine_dir):

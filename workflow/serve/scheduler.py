@@ -158,7 +158,7 @@ class Scheduler:
                 return f"{name} id {int(bad[0])} is outside the {name} vocabulary (0..{size - 1})"
         if t + req.max_steps > self.engine.max_seq_len:
             return f"prompt {t} + reply {req.max_steps} positions exceed a slot's {self.engine.max_seq_len}"
-        if self.cfg.when_full == "refuse" and len(self.streams) + len(self.queue) >= self.max_streams:
+        if self.cfg.when_full == "refuse" and self._open() + len(self.queue) >= self.max_streams:
             return f"all {self.max_streams} slots are busy"
         return None
 
@@ -274,15 +274,17 @@ class Scheduler:
                 self.streams[req.slot], self.mode[req.slot] = req, m
             self._add_logits(slots, text, audio)
 
-    def _free_slots(self) -> list[int]:
-        """The engine slots a queued request may take now: a stream is open from its admission until
-        its last chunk is sent (so long the detokenizer keeps its state: the codec decoder a flow
-        slot, past which a stream re-runs every frame of its reply each call), and at most
-        `max_streams` are open."""
-        busy = set(self.streams)
+    def _open(self) -> int:
+        """Streams open: from admission until the last chunk is sent (so long the detokenizer keeps a
+        stream's state: the codec decoder a flow slot, past which a stream re-runs every frame of its
+        reply each call)."""
         closing = {c[0].rid for c in self.outbox} - {r.rid for r in self.streams.values()}
-        room = self.max_streams - len(self.streams) - len(closing)
-        return [s for s in range(self.engine.max_batch) if s not in busy][: max(0, room)]
+        return len(self.streams) + len(closing)
+
+    def _free_slots(self) -> list[int]:
+        """The engine slots queued requests may take now: at most `max_streams` streams are open."""
+        busy = set(self.streams)
+        return [s for s in range(self.engine.max_batch) if s not in busy][: max(0, self.max_streams - self._open())]
 
     def _add_logits(self, slots: list[int], text: torch.Tensor | None, audio: torch.Tensor) -> None:
         if self.logits is None:
