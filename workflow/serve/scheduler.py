@@ -125,7 +125,7 @@ class Scheduler:
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
         self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * pcm_rate(detokenize))  # a chunk's, in samples
         limits = (engine.max_batch, cfg.max_streams, getattr(detokenize, "max_streams", 0))
-        self.max_streams = min(n for n in limits if n)  # see `_free_slots`
+        self.max_streams = min(n for n in limits if n)  # streams open at once at most (`_open`)
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
