@@ -26,29 +26,41 @@ class Fuse(enum.Flag):
     GLU = enum.auto()  # epilogue: w = [gate; up] -> silu(x @ gate^T) * (x @ up^T)
 
 
+ROWS = (1, 2, 4, 8)  # the row counts tuned: a call of m rows takes the block of the first count >= m
+
+
+def rows_bucket(m: int) -> int:
+    """The tuned row count whose block a call of m (<= ROWS[-1]) rows takes."""
+    return next(r for r in ROWS if r >= m)
+
+
 class Use(NamedTuple):
-    """A call site as tuning sees it: the weight's shape and element size, and its Fuse."""
+    """A call site as tuning sees it: the weight's shape and element size, its Fuse, and how many
+    rows of x (a ROWS bucket): the block that is best for one row need not be for more (the
+    resident body, best at one row, holds 8x the registers for x at eight)."""
 
     n: int
     k: int
     weight_bytes: int
     fuse: Fuse
+    rows: int = 1
 
     @classmethod
-    def of(cls, w: torch.Tensor, fuse: Fuse) -> Use:
-        return cls(w.shape[0], w.shape[1], w.element_size(), fuse)
+    def of(cls, w: torch.Tensor, fuse: Fuse, rows: int = 1) -> Use:
+        return cls(w.shape[0], w.shape[1], w.element_size(), fuse, rows)
 
     def key(self) -> str:
-        """As engine.json stores it: "<n>x<k>:<bytes>:<fuse names joined by +>"."""
+        """As engine.json stores it: "<n>x<k>:<bytes>:<fuse names joined by +>:<rows>"."""
         names = "+".join(f.name.lower() for f in Fuse if f and f in self.fuse)
-        return f"{self.n}x{self.k}:{self.weight_bytes}:{names}"
+        return f"{self.n}x{self.k}:{self.weight_bytes}:{names}:{self.rows}"
 
     @classmethod
     def parse(cls, key: str) -> Use:
-        shape, nbytes, names = key.split(":")
+        """A key as `key` writes it; without rows (engines built before rows were tuned), one row."""
+        shape, nbytes, names, *rows = key.split(":")
         n, k = shape.split("x")
         fuse = functools.reduce(operator.or_, (Fuse[name.upper()] for name in names.split("+") if name), Fuse.NONE)
-        return cls(int(n), int(k), int(nbytes), fuse)
+        return cls(int(n), int(k), int(nbytes), fuse, int(rows[0]) if rows else 1)
 
 
 class Body(enum.StrEnum):
@@ -94,17 +106,18 @@ class Tuned(NamedTuple):
     ms: float | None
 
 
-def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE) -> list[Block]:
-    """Block shapes worth timing: 1 to 64 KB of weights per program and step, reduced per
-    tile; and for FP8 weights the deferred body, with tiles whose partial sums fit the
-    registers. For bf16 it brought nothing (levers ledger, probe 11). And, for K up to
+def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE, rows: int = 1) -> list[Block]:
+    """Block shapes worth timing for x of `rows` rows: 1 to 64 KB of weights per program and
+    step, reduced per tile; and for FP8 weights at one row the deferred body (more rows run the
+    tile's reduction), with tiles whose partial sums fit the registers. For bf16 it brought
+    nothing (levers ledger, probe 11). And, for K up to
     RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
     and running its prologue once, then striding over column blocks. For FP8 weights read with
     no prologue and no GLU, the tensor-core body."""
     fits = next_power_of_2(k)
     tiled = [Block(Body.TILE, bn, bk, w) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
     deferred = [Block(Body.DEFER, bn, bk, w) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
-    deferred = deferred if weight_bytes == 1 else []
+    deferred = deferred if weight_bytes == 1 and rows == 1 else []
     resident = [Block(Body.RESIDENT, bn, fits, w, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
     resident = resident if k <= RESIDENT_MAX_K else []
     dot = [Block(Body.DOT, bn, bk, 4, 0, s) for bn in DOT_N for bk in DOT_K for s in DOT_STAGES if bk <= fits]
@@ -123,6 +136,12 @@ def fuse_of(norm: bool, silu_mul: bool, residual: bool, glu: bool = False) -> Fu
 def default_block(k: int) -> Block:
     """The block of an untuned use (the CPU's interpreter, an engine built without a GPU)."""
     return Block(Body.TILE, 8, min(512, next_power_of_2(k)), 4)
+
+
+def blocks_for(tuning: dict[Use, Tuned], w: torch.Tensor, fuse: Fuse) -> dict[int, Block]:
+    """A linear's decode blocks by row count (ROWS): those tuning has for its weight and Fuse."""
+    found = {m: tuning.get(Use.of(w, fuse, m)) for m in ROWS}
+    return {m: tuned.block for m, tuned in found.items() if tuned}
 
 
 def read_tuning(stored: dict) -> dict[Use, Tuned]:

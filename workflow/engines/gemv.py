@@ -30,7 +30,7 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   the two, it brought nothing: docs/levers.md, probe 17).
 
 Each call is given its `Block` (body and sizes): chosen by `tune` on the target GPU at build,
-per `Use` (weight shape and Fuse), stored in engine.json and handed by the engine to each linear.
+per `Use` (weight shape, Fuse and row count), stored in engine.json and handed by the engine to each linear.
 Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): how the tests check it.
 """
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from workflow.engines.blocks import Block, Body, Fuse, Tuned, Use, candidates, default_block, fuse_of
+from workflow.engines.blocks import ROWS, Block, Body, Fuse, Tuned, Use, candidates, default_block, fuse_of
 
 try:
     import triton
@@ -49,7 +49,7 @@ try:
 except ImportError:  # the engine works without it (engine.gemv: false)
     triton = None
 
-MAX_M = 4  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
+MAX_M = ROWS[-1]  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
@@ -63,30 +63,31 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
-def tune(uses: list[tuple[torch.Tensor, Fuse]], reps: int = 20) -> dict[Use, Tuned]:
-    """Time every candidate block for each (weight, fuse) use, one row of x, on the weight's
-    device, and keep the fastest. Like a TensorRT tactic choice: run once at build on the
-    target GPU; the engine stores the result in engine.json and hands each call its block."""
+def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, reps: int = 20) -> dict[Use, Tuned]:
+    """Time every candidate block for each (weight, fuse) use at each row count of x, on the
+    weight's device, and keep the fastest. Like a TensorRT tactic choice: run once at build on
+    the target GPU; the engine stores the result in engine.json and hands each call its block."""
     found: dict[Use, Tuned] = {}
     for w, fuse in uses:
-        use = Use.of(w, fuse)
-        if use in found:
+        if Use.of(w, fuse) in found:
             continue
         copies = l2_copies(w)
-        k, n, act = use.k, use.n, torch.bfloat16 if use.weight_bytes == 1 else w.dtype
-        x = torch.randn(1, 2 * k if Fuse.SILU in fuse else k, device=w.device).to(w.dtype)
-        args = {
-            "scale": torch.ones(1, device=w.device) if use.weight_bytes == 1 else None,
-            "norm": torch.ones(k, device=w.device, dtype=act) if Fuse.NORM in fuse else None,
-            "residual": torch.zeros(1, n // (1 + (Fuse.GLU in fuse)), device=w.device, dtype=act) if Fuse.RES in fuse else None,
-            "silu_mul": Fuse.SILU in fuse,
-            "glu": Fuse.GLU in fuse,
-        }
-        times = {}
-        for block in candidates(k, use.weight_bytes, fuse):
-            times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
-        best = min(times, key=times.get)
-        found[use] = Tuned(best, times[best])
+        for m in rows:
+            use = Use.of(w, fuse, m)
+            k, n, act = use.k, use.n, torch.bfloat16 if use.weight_bytes == 1 else w.dtype
+            x = torch.randn(m, 2 * k if Fuse.SILU in fuse else k, device=w.device).to(w.dtype)
+            args = {
+                "scale": torch.ones(1, device=w.device) if use.weight_bytes == 1 else None,
+                "norm": torch.ones(k, device=w.device, dtype=act) if Fuse.NORM in fuse else None,
+                "residual": torch.zeros(m, n // (1 + (Fuse.GLU in fuse)), device=w.device, dtype=act) if Fuse.RES in fuse else None,
+                "silu_mul": Fuse.SILU in fuse,
+                "glu": Fuse.GLU in fuse,
+            }
+            times = {}
+            for block in candidates(k, use.weight_bytes, fuse, m):
+                times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
+            best = min(times, key=times.get)
+            found[use] = Tuned(best, times[best])
         del copies
     return found
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from workflow import fp8
 from workflow.engines import gemv
-from workflow.engines.blocks import Block
+from workflow.engines.blocks import Block, rows_bucket
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,8 +42,8 @@ class LinearArgs(NamedTuple):
     scale (a fused weight's first part's); fast_accum: cuBLASLt's FP8 fast accumulation;
     fp8_weight and out_scale (a_scale x w_scale per part): what the FP8 GEMV reads; in_scale:
     what the GEMM path divides x by before rounding it to FP8, where x arrives scaled otherwise
-    than a_scale assumes (proj's, see `layer_linears`); block: the fused GEMV's launch shape for
-    this linear's decode call (tuned at build; None: gemv.default_block)."""
+    than a_scale assumes (proj's, see `layer_linears`); blocks: the fused GEMV's launch shape
+    for this linear's decode call, by row count (blocks.ROWS, tuned at build; none: gemv.default_block)."""
 
     weight: torch.Tensor
     a_scale: torch.Tensor | None = None
@@ -52,7 +52,7 @@ class LinearArgs(NamedTuple):
     fp8_weight: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
     in_scale: torch.Tensor | None = None
-    block: Block | None = None
+    blocks: dict[int, Block] | None = None
 
 
 def linear(x: torch.Tensor, lin: LinearArgs) -> torch.Tensor:
@@ -93,14 +93,15 @@ def project(
     unless x arrives quantized (float8: dense's input, from decode attention). glu (fused bf16
     or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
     if gemv_path(x, fused):
+        block = (lin.blocks or {}).get(rows_bucket(x.numel() // x.shape[-1]))
         if lin.a_scale is None:
-            return gemv.gemv(x, lin.weight, x.dtype, lin.block, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
+            return gemv.gemv(x, lin.weight, x.dtype, block, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
         if glu:
             raise ValueError("project: glu is for bf16 / float32 weights")
         if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
-            return gemv.gemv(x, lin.fp8_weight, residual.dtype, lin.block, scale=lin.out_scale, residual=residual)
+            return gemv.gemv(x, lin.fp8_weight, residual.dtype, block, scale=lin.out_scale, residual=residual)
         xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
-        return gemv.gemv(xq, lin.fp8_weight, x.dtype, lin.block, scale=lin.out_scale, residual=residual)
+        return gemv.gemv(xq, lin.fp8_weight, x.dtype, block, scale=lin.out_scale, residual=residual)
     if glu:
         raise ValueError("project: glu needs the fused GEMV path")
     y = linear(prologue(x, norm, eps, silu_mul), lin)
@@ -120,17 +121,17 @@ def prologue(x: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: b
 
 
 class Linear(nn.Module):
-    """A bf16 (or float32) linear; `args()` is what `project` takes. `block`: its decode call's
-    GEMV launch shape, which the engine sets from its tuning."""
+    """A bf16 (or float32) linear; `args()` is what `project` takes. `blocks`: its decode call's
+    GEMV launch shape by row count, which the engine sets from its tuning."""
 
-    block: Block | None = None
+    blocks: dict[int, Block] | None = None
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     def args(self) -> LinearArgs:
-        return LinearArgs(self.weight, block=self.block)
+        return LinearArgs(self.weight, blocks=self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.args())
@@ -167,13 +168,13 @@ class Fp8Linear(Linear):
 
     def args(self) -> LinearArgs:
         if self.w_deq is not None:  # CPU: exact emulation through the dequantized weight
-            return LinearArgs(self.w_deq, self.a_scale, fp8_weight=self.weight, out_scale=self.out_scale, block=self.block)
+            return LinearArgs(self.w_deq, self.a_scale, fp8_weight=self.weight, out_scale=self.out_scale, blocks=self.blocks)
         return self.gemm_args()
 
     def gemm_args(self) -> LinearArgs:
         """What the FP8 GEMM (torch._scaled_mm) reads: CUDA's path, also runnable on CPU."""
         return LinearArgs(
-            self.weight, self.a_scale, self.gemm_scale, self.fast_accum, self.weight, self.out_scale, self.in_scale, self.block
+            self.weight, self.a_scale, self.gemm_scale, self.fast_accum, self.weight, self.out_scale, self.in_scale, self.blocks
         )
 
 

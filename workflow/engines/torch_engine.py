@@ -213,8 +213,7 @@ class TorchEngine(Engine, nn.Module):
             if not self.tuning:  # first load (build): choose each use's block on this GPU
                 self.tuning = gemv.tune([(lin.weight, fuse) for lin, fuse in uses])
             for lin, fuse in uses:
-                tuned = self.tuning.get(blocks.Use.of(lin.weight, fuse))
-                lin.block = tuned.block if tuned else None
+                lin.blocks = blocks.blocks_for(self.tuning, lin.weight, fuse)
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
         angles = torch.outer(torch.arange(options.max_seq_len, device=dev).float(), inv_freq)
         self.cos, self.sin = angles.cos(), angles.sin()
