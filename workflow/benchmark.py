@@ -48,7 +48,7 @@ from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
 SCHEMA = Path(__file__).with_name("benchmark.schema.json")
-ROWS = (2, 4, 8)  # few-row decode steps, as serving's: the fused GEMV takes up to 4 rows (tuned at one), cuBLAS more
+ROWS = (2, 4, 8)  # few-row decode steps, as serving's: the fused GEMV takes up to 4 rows, cuBLAS more
 
 
 def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len: int = 0, rows: tuple[int, ...] = ()) -> dict:

@@ -26,7 +26,7 @@ class Fuse(enum.Flag):
     GLU = enum.auto()  # epilogue: w = [gate; up] -> silu(x @ gate^T) * (x @ up^T)
 
 
-ROWS = (1, 2, 4, 8)  # the row counts tuned: a call of m rows takes the block of the first count >= m
+ROWS = (1, 4)  # the row counts tuned: a call of m rows takes the block of the first count >= m
 
 
 def rows_bucket(m: int) -> int:
@@ -36,8 +36,8 @@ def rows_bucket(m: int) -> int:
 
 class Use(NamedTuple):
     """A call site as tuning sees it: the weight's shape and element size, its Fuse, and how many
-    rows of x (a ROWS bucket): the block that is best for one row need not be for more (the
-    resident body, best at one row, holds 8x the registers for x at eight)."""
+    rows of x (a ROWS bucket): the block that is best for one row need not be for more (FP8's
+    deferred body, best at one row, runs the tile's reduction at more)."""
 
     n: int
     k: int
@@ -96,6 +96,7 @@ DEFER_N_CHOICES, DEFER_K_CHOICES = (4, 8, 16), (256, 512, 1024)  # the deferred 
 DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 DOT_N, DOT_K, DOT_STAGES = (32, 64, 128), (128, 256), (2, 4)  # the tensor-core body (FP8, Fuse NONE or RES)
+ROWS_TILE_WARPS = 4  # past one row, tiles of this many warps and the widest BLOCK_K only (see candidates)
 
 
 class Tuned(NamedTuple):
@@ -110,18 +111,25 @@ def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE, rows: int = 1)
     """Block shapes worth timing for x of `rows` rows: 1 to 64 KB of weights per program and
     step, reduced per tile; and for FP8 weights at one row the deferred body (more rows run the
     tile's reduction), with tiles whose partial sums fit the registers. For bf16 it brought
-    nothing (levers ledger, probe 11). And, for K up to
-    RESIDENT_MAX_K, the resident body: per_sm programs a multiprocessor, each reading x's row
-    and running its prologue once, then striding over column blocks. For FP8 weights read with
-    no prologue and no GLU, the tensor-core body."""
+    nothing (levers ledger, probe 11). And, for K up to RESIDENT_MAX_K, the resident body:
+    per_sm programs a multiprocessor, each reading x's row and running its prologue once, then
+    striding over column blocks. For FP8 weights read with no prologue and no GLU, the
+    tensor-core body. Past one row fewer, to keep build short: the tensor-core body alone where
+    it applies (x's rows are padded to 16: more rows cost it nothing), else the resident body
+    and tiles of ROWS_TILE_WARPS warps at the widest BLOCK_K that fits; every block that won at 2, 4 or 8
+    rows on an H100 from the whole set is one of these (levers.md, "H100 GEMV rows 1")."""
     fits = next_power_of_2(k)
+    widest = max((bk for bk in BLOCK_K_CHOICES[weight_bytes] if bk <= fits), default=0)
     tiled = [Block(Body.TILE, bn, bk, w) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
+    tiled = tiled if rows == 1 else [b for b in tiled if b.warps == ROWS_TILE_WARPS and b.block_k == widest]
     deferred = [Block(Body.DEFER, bn, bk, w) for bn in DEFER_N_CHOICES for bk in DEFER_K_CHOICES for w in WARPS_CHOICES]
     deferred = deferred if weight_bytes == 1 and rows == 1 else []
     resident = [Block(Body.RESIDENT, bn, fits, w, p) for bn in RESIDENT_N for w in WARPS_CHOICES for p in RESIDENT_PER_SM]
     resident = resident if k <= RESIDENT_MAX_K else []
     dot = [Block(Body.DOT, bn, bk, 4, 0, s) for bn in DOT_N for bk in DOT_K for s in DOT_STAGES if bk <= fits]
     dot = dot if weight_bytes == 1 and fuse in (Fuse.NONE, Fuse.RES) else []
+    if rows > 1 and dot:
+        return dot
     fit = [b for b in tiled + deferred if b.block_k <= fits]
     ok = [b for b in fit if b.body != Body.DEFER or b.block_n * b.block_k <= DEFER_REGS * 32 * b.warps]
     return ok + resident + dot

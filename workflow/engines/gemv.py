@@ -79,7 +79,9 @@ def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, re
             args = {
                 "scale": torch.ones(1, device=w.device) if use.weight_bytes == 1 else None,
                 "norm": torch.ones(k, device=w.device, dtype=act) if Fuse.NORM in fuse else None,
-                "residual": torch.zeros(m, n // (1 + (Fuse.GLU in fuse)), device=w.device, dtype=act) if Fuse.RES in fuse else None,
+                "residual": torch.zeros(m, n // (1 + (Fuse.GLU in fuse)), device=w.device, dtype=act)
+                if Fuse.RES in fuse
+                else None,
                 "silu_mul": Fuse.SILU in fuse,
                 "glu": Fuse.GLU in fuse,
             }
