@@ -5,7 +5,7 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16 verify     # download .. verify
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16            # benchmark (load included)
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 calibrate   # reuses download and convert
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 verify      # build (tunes ~205 s at 1 and 4 rows), verify
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 verify      # build (tunes ~245 s at 1 and 4 rows), verify
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8             # benchmark
 #
 # The second argument, a rule, stops there (Snakemake's --until). The fp8 run's benchmark leaves out
@@ -21,7 +21,7 @@
 # run bf16 verify and bf16 on one machine, then fp8 calibrate, fp8 verify and fp8 on a fresh one (its
 # calibrate call redoes download and convert; FP8 calibration alone took 305-340 s there).
 # At 7d0b029 on an H100 the bf16 calls took 359 s (verify) and 438 s (levels to 32); tuning the GEMV
-# at 4 rows too adds ~45 s (bf16) and ~70 s (FP8) to build (probe 34's per-candidate time).
+# at 4 rows too adds ~85 s (bf16) and ~110 s (FP8) to build (~0.54 s a candidate in probe 34).
 # benchmark.json's `sections_s` says where a benchmark call's time went (eager baseline, engine, codec, load).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
 # (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).

@@ -109,6 +109,40 @@ def test_tensor_core_body_equals_torch(rows, block):
         gemv.launch(xq, w8, torch.float32, scale=a * ws, norm=torch.ones(k), block=block)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("block", [Block(Body.DOT, 32, 64, 4, stages=2), Block(Body.DOT, 64, 32, 4, stages=2)])
+def test_tensor_core_body_with_prologue_and_glu_equals_torch(rows, block):
+    """bf16's tensor-core body (float32 here, exact): x through the norm or silu prologue, rounded
+    to w's dtype, then the products; the residual and GLU epilogues; N and K ragged, both
+    operand orders (BLOCK_N from 64: the weight first)."""
+    k, n = 200, 70
+    x, w, g, r = torch.randn(rows, k), torch.randn(n, k) / 16, torch.rand(k) + 0.5, torch.randn(rows, n)
+    got = gemv.launch(x, w, torch.float32, norm=g, eps=1e-6, residual=r, block=block)
+    assert torch.allclose(got, r + F.linear(rms_norm(x, g, 1e-6), w), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(rows, 2 * k)
+    got = gemv.launch(gu, w, torch.float32, residual=r, silu_mul=True, block=block)
+    assert torch.allclose(got, r + F.linear(F.silu(gu[:, :k]) * gu[:, k:], w), atol=1e-5, rtol=1e-5)
+    w2 = torch.cat([w, w.flip(0)])
+    gate, up = F.linear(rms_norm(x, g, 1e-6), w2).chunk(2, dim=-1)
+    got = gemv.launch(x, w2, torch.float32, norm=g, eps=1e-6, glu=True, block=block)
+    assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tensor-core"):  # x of another dtype than w's
+        gemv.launch(x.double(), w, torch.float32, block=block)
+
+
+def test_bf16_tensor_core_blocks_past_one_row_fit_shared_memory():
+    """Offered past one row to bf16 weights with any prologue or epilogue (GLU: two weight tiles
+    a stage), never at one row, each within DOT_SMEM; FP8's rows past one: its own only."""
+    for fuse, tiles in ((Fuse.NORM, 1), (Fuse.NORM | Fuse.GLU, 2), (Fuse.RES, 1), (Fuse.SILU | Fuse.RES, 1)):
+        assert not any(b.body == Body.DOT for b in blocks.candidates(4096, 2, fuse))
+        dot = [b for b in blocks.candidates(4096, 2, fuse, 4) if b.body == Body.DOT]
+        assert dot and all(b.stages * b.block_k * (tiles * b.block_n + 16) * 2 <= blocks.DOT_SMEM for b in dot)
+        assert {b.block_k for b in dot} == set(blocks.DOT_K_BF16)
+    assert len([b for b in blocks.candidates(4096, 2, Fuse.NORM | Fuse.GLU, 4) if b.body == Body.DOT]) < len(
+        [b for b in blocks.candidates(4096, 2, Fuse.NORM, 4) if b.body == Body.DOT]
+    )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
 def test_bf16_rounds_like_torch():
     """bf16 in and out, as `x + F.linear(rms_norm(h))` rounds: the normed input exactly, the
@@ -230,14 +264,14 @@ def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
 def test_candidates_past_one_row_are_the_kinds_that_won_there():
     """Past one row: no deferred body (launch runs it as the tile's); FP8 read as stored, the
     tensor-core body alone; else the resident body and tiles of ROWS_TILE_WARPS warps at the
-    widest BLOCK_K that K allows."""
+    widest BLOCK_K that K allows, and for bf16 the tensor-core body."""
     for rows in blocks.ROWS[1:]:
         assert {b.body for b in blocks.candidates(4096, 1, Fuse.RES, rows)} == {Body.DOT}
         bf16 = blocks.candidates(4096, 2, Fuse.NORM, rows)
-        assert {b.body for b in bf16} == {Body.TILE, Body.RESIDENT}
+        assert {b.body for b in bf16} == {Body.TILE, Body.RESIDENT, Body.DOT}
         assert {(b.block_k, b.warps) for b in bf16 if b.body == Body.TILE} == {(2048, blocks.ROWS_TILE_WARPS)}
         assert {b.block_n for b in bf16 if b.body == Body.TILE} == set(blocks.BLOCK_N_CHOICES)
-        assert {b.body for b in blocks.candidates(200, 2, Fuse.NORM, rows)} == {Body.RESIDENT}  # no tile choice fits K
+        assert {b.body for b in blocks.candidates(200, 2, Fuse.NORM, rows)} == {Body.RESIDENT, Body.DOT}  # no tile fits K
         assert {b.block_k for b in blocks.candidates(1000, 2, Fuse.NORM, rows) if b.body == Body.TILE} == {1024}
         assert {b.body for b in blocks.candidates(12288, 1, Fuse.NORM, rows)} == {Body.TILE}
     assert Body.DEFER in {b.body for b in blocks.candidates(4096, 1, Fuse.RES)}

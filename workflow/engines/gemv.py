@@ -12,17 +12,19 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
 - body: y = x @ W^T with W in bf16/float32 or float8_e4m3fn, float32 accumulation; for FP8
   x must already be FP8-rounded (the caller quantizes it with the calibrated scale, fused by
   torch.compile into the op before), and each part of W's rows (fc|gate: two) has its own
-  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Three bodies, a
+  scale, applied as acc * scale[part], the arithmetic of torch._scaled_mm. Four bodies, a
   tuning choice: reduce each [BLOCK_N, BLOCK_K] tile over K as it comes (a cross-thread sum
   per tile), or, for one row, keep the tile's float32 products as partial sums and reduce
   once after the loop (`defer`: no per-tile reduction, narrower tiles, fewer registers idle);
   or, `resident` (K up to RESIDENT_MAX_K), a few programs a multiprocessor that read x's whole
   row and run the prologue once, then stride over column blocks (bf16 decode -0.06 ms on an
-  H100: docs/levers.md, probe 18); or, `dot` (FP8 weights, x as stored, no
-  prologue or GLU), tensor cores: e4m3 times e4m3 with no conversion, x's rows padded to 16,
-  loads pipelined over `dot` stages. A CUDA-core FP8 GEMV converts every weight byte before
-  its multiply, which on an H200 caps it at 4.13 TB/s where tensor cores read 4.49 (gate_up
-  28.4 -> 25.4 us; docs/levers.md, probe 33);
+  H100: docs/levers.md, probe 18); or, `dot`, tensor cores, x's rows padded to 16, loads
+  pipelined over `dot` stages: FP8 weights times x as stored (no prologue or GLU), e4m3 times
+  e4m3 with no conversion (a CUDA-core FP8 GEMV converts every weight byte before its
+  multiply, which on an H200 caps it at 4.13 TB/s where tensor cores read 4.49: gate_up 28.4
+  -> 25.4 us; docs/levers.md, probe 33); or bf16 weights times x through its prologue, for
+  several rows, where a CUDA-core body's products grow with the rows and its time with them
+  (probe 34);
 - epilogue: the result rounded to the output dtype, then a residual added and rounded again,
   the same two roundings as `x + F.linear(...)`; or, `glu` (bf16 gate_up), silu(gate) * up: a
   program reads gate's rows and up's, so proj's programs need not each re-read [gate | up]
@@ -30,7 +32,8 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   the two, it brought nothing: docs/levers.md, probe 17).
 
 Each call is given its `Block` (body and sizes): chosen by `tune` on the target GPU at build,
-per `Use` (weight shape, Fuse and row count), stored in engine.json and handed by the engine to each linear.
+per `Use` (weight shape, Fuse and row count), stored in engine.json and handed by the engine to
+each linear.
 Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): how the tests check it.
 """
 
@@ -65,8 +68,9 @@ def multiprocessors(device: torch.device) -> int:
 
 def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, reps: int = 20) -> dict[Use, Tuned]:
     """Time every candidate block for each (weight, fuse) use at each row count of x, on the
-    weight's device, and keep the fastest. Like a TensorRT tactic choice: run once at build on
-    the target GPU; the engine stores the result in engine.json and hands each call its block."""
+    weight's device, and keep the fastest (a block this GPU cannot launch is passed over). Like a
+    TensorRT tactic choice: run once at build on the target GPU; the engine stores the result in
+    engine.json and hands each call its block."""
     found: dict[Use, Tuned] = {}
     for w, fuse in uses:
         if Use.of(w, fuse) in found:
@@ -87,7 +91,10 @@ def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, re
             }
             times = {}
             for block in candidates(k, use.weight_bytes, fuse, m):
-                times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
+                try:
+                    times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
+                except triton.runtime.errors.OutOfResources:  # more shared memory or registers than this GPU has
+                    continue
             best = min(times, key=times.get)
             found[use] = Tuned(best, times[best])
         del copies
@@ -219,33 +226,55 @@ if triton is not None:
         tl.store(y_ptr + out_ptrs, y, mask=ok)
 
     @triton.jit
-    def _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, rm, m_ok, N, rows_per_part, K: tl.constexpr,
-             HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _mma(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b on tensor cores; IEEE (float32 inputs): exact float32, not TF32."""
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, rm, m_ok, N, rows_per_part, eps, K: tl.constexpr,
+             NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+             GLU: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
         """The tensor-core body: x's rows (padded to BLOCK_M = 16) times the weight tile as stored,
-        loads pipelined over STAGES. From 64 rows the weight is the left operand (Hopper's wgmma
-        wants M >= 64), else x is. Hopper's FP8 tensor cores accumulate with fewer bits than
-        float32, as cuBLASLt's fast accumulation (the FP8 prefill's) does: 1-2.5 bf16 ulps of the
-        largest output in probe 33, and verify passed on an H200 with it."""
+        loads pipelined over STAGES; x as stored (FP8: quantized by the caller), or through the
+        prologue and rounded to w's dtype as torch rounds it (bf16); GLU: gate's and up's tiles,
+        two products. From 64 rows the weight is the left operand (Hopper's wgmma wants M >= 64),
+        else x is. Hopper's FP8 tensor cores accumulate with fewer bits than float32, as
+        cuBLASLt's fast accumulation (the FP8 prefill's) does: 1-2.5 bf16 ulps of the largest
+        output in probe 33, and verify passed on an H200 with it."""
         W_FIRST: tl.constexpr = BLOCK_N >= 64
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
+        rstd = tl.zeros((BLOCK_M,), tl.float32)
+        if NORM:
+            rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
         if W_FIRST:  # noqa: SIM108 (constexpr: one branch compiled)
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc2 = acc
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w, _ = _rows(w_ptr, rn, rk, k_ok, N, K, False)
-            if W_FIRST:  # noqa: SIM108
-                acc = tl.dot(w, tl.trans(x), acc)
+            if NORM or SILU_MUL:
+                x = _input(x_ptr, rm, rk, m_ok, k_ok, norm_ptr, rstd, K, NORM, SILU_MUL).to(w_ptr.dtype.element_ty)
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
+                x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w, w2 = _rows(w_ptr, rn, rk, k_ok, N, K, GLU)
+            if W_FIRST:
+                acc = _mma(w, tl.trans(x), acc, IEEE)
+                if GLU:
+                    acc2 = _mma(w2, tl.trans(x), acc2, IEEE)
+            else:
+                acc = _mma(x, tl.trans(w), acc, IEEE)
+                if GLU:
+                    acc2 = _mma(x, tl.trans(w2), acc2, IEEE)
         if W_FIRST:
             acc = tl.trans(acc)
-        _store(acc, acc, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, False, False)
+            acc2 = tl.trans(acc2)
+        _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
 
     @triton.jit
     def _gemv(
@@ -253,14 +282,14 @@ if triton is not None:
         M, N, rows_per_part, eps, programs,
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
+        GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
         if DOT:  # tensor cores, DOT pipeline stages
-            _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, rm, m_ok, N, rows_per_part, K, HAS_RES, HAS_SCALE,
-                 BLOCK_M, BLOCK_N, BLOCK_K, DOT)  # fmt: skip
+            _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, rm, m_ok, N, rows_per_part, eps, K, NORM, SILU_MUL,
+                 HAS_RES, HAS_SCALE, GLU, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, DOT)  # fmt: skip
         elif RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -319,7 +348,7 @@ def launch(
     up] and the product reads silu(gate) * up; scale: float32 [parts] (FP8); glu: w is [gate;
     up] and the output silu(x @ gate^T) * (x @ up^T), N / 2 columns; block: the launch shape
     (default_block if None). DEFER takes one row only (more run TILE's reduction); RESIDENT holds
-    x's whole row (BLOCK_K >= K); DOT reads x as stored, of w's dtype (no prologue, no GLU)."""
+    x's whole row (BLOCK_K >= K); DOT takes x of w's dtype, and FP8 x as stored (no prologue, no GLU)."""
     if norm is not None and silu_mul:
         raise ValueError("gemv: norm and silu_mul do not combine")
     shape, k, n = x.shape, w.shape[1], w.shape[0] // (2 if glu else 1)
@@ -333,9 +362,10 @@ def launch(
     resident, dot = block.body == Body.RESIDENT, block.body == Body.DOT
     if resident and block.block_k < k:
         raise ValueError(f"gemv: the resident body holds x's whole row: BLOCK_K {block.block_k} < K {k}")
-    if dot and (norm is not None or silu_mul or glu or x.dtype != w.dtype):
+    if dot and (x.dtype != w.dtype or (w.element_size() == 1 and (norm is not None or silu_mul or glu))):
         fuse = fuse_of(norm is not None, silu_mul, residual is not None, glu)
-        raise ValueError(f"gemv: the tensor-core body reads x as stored, of w's dtype: no prologue, no GLU ({fuse}, {x.dtype})")
+        why = "the tensor-core body takes x of w's dtype, FP8 as stored: no prologue, no GLU"
+        raise ValueError(f"gemv: {why} ({fuse}, {x.dtype})")
     blocks = triton.cdiv(n, block.block_n)
     programs = min(blocks, block.per_sm * multiprocessors(x.device)) if resident else blocks
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
@@ -347,6 +377,7 @@ def launch(
         K=k, STRIDES=triton.cdiv(blocks, programs) if resident else 1,
         NORM=norm is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
         GLU=glu, DEFER=block.body == Body.DEFER and m == 1, RESIDENT=resident, DOT=block.stages if dot else 0,
+        IEEE=x.dtype == torch.float32,
         BLOCK_M=16 if dot else max(1, triton.next_power_of_2(m)), BLOCK_N=block.block_n, BLOCK_K=block.block_k,
         num_warps=block.warps,
     )  # fmt: skip
