@@ -144,16 +144,17 @@ def test_bf16_tensor_core_blocks_past_one_row_fit_shared_memory():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds to bf16 by truncation")
-def test_bf16_rounds_like_torch():
+@pytest.mark.parametrize("block", [tile(16, 64), Block(Body.DOT, 32, 64, 4, stages=2), Block(Body.DOT, 64, 128, 4, stages=4)])
+def test_bf16_rounds_like_torch(block):
     """bf16 in and out, as `x + F.linear(rms_norm(h))` rounds: the normed input exactly, the
     product rounded to bf16, then the residual added and rounded again. Only the order of the
     float32 sums differs, so the result is torch's within one ulp of the product, and mostly
-    bit-identical."""
+    bit-identical; on CUDA cores and on tensor cores (both operand orders)."""
     k, n = 256, 64
     x, w = torch.randn(2, k, dtype=torch.bfloat16), (torch.randn(n, k) / 16).to(torch.bfloat16)
     g, r = (torch.rand(k) + 0.5).to(torch.bfloat16), torch.randn(2, n, dtype=torch.bfloat16)
     x, w, g, r = (t.cuda() for t in (x, w, g, r))
-    got = gemv.launch(x, w, torch.bfloat16, norm=g, eps=1e-6, residual=r, block=tile(16, 64)).double()
+    got = gemv.launch(x, w, torch.bfloat16, norm=g, eps=1e-6, residual=r, block=block).double()
     product = F.linear(rms_norm(x, g, 1e-6).float(), w.float())
     want = (product.to(torch.bfloat16) + r).double()
     assert ((got - want).abs() <= ulp_bf16(product) + ulp_bf16(want) / 2).all()
@@ -205,6 +206,20 @@ def test_resident_body_equals_torch(rows, block_n, per_sm):
     assert torch.allclose(got, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="whole row"):
         gemv.launch(x, w, torch.float32, block=Block(Body.RESIDENT, block_n, 128, 4, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tuning times on a GPU")
+def test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch(monkeypatch):
+    """A block at each row count, from that count's candidates; a block too big for the GPU's
+    shared memory (8 stages of 512 x 128 weight tiles, twice: 2 MB) is passed over, not fatal."""
+    w = (torch.randn(2 * 512, 1024, device="cuda") / 32).to(torch.bfloat16)
+    huge = Block(Body.DOT, 128, 512, 4, stages=8)
+    real = blocks.candidates
+    monkeypatch.setattr(gemv, "candidates", lambda *a: [huge, *real(*a)])
+    found = gemv.tune([(w, Fuse.NORM | Fuse.GLU)], reps=2)
+    assert set(found) == {blocks.Use.of(w, Fuse.NORM | Fuse.GLU, m) for m in blocks.ROWS}
+    for use, tuned in found.items():
+        assert tuned.block in real(use.k, use.weight_bytes, use.fuse, use.rows) and tuned.ms > 0
 
 
 def test_blocks_stored_as_ints_by_earlier_builds_still_load(tmp_path):

@@ -40,6 +40,7 @@ Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): h
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -95,6 +96,9 @@ def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, re
                     times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
                 except triton.runtime.errors.OutOfResources:  # more shared memory or registers than this GPU has
                     continue
+                except triton.compiler.errors.CompilationError as e:  # a block this GPU's compiler refuses
+                    why = str(e).splitlines()[0]
+                    warnings.warn(f"gemv.tune: {block} does not compile here, passed over: {why}", stacklevel=1)
             best = min(times, key=times.get)
             found[use] = Tuned(best, times[best])
         del copies
