@@ -37,9 +37,18 @@ export PYTHONPATH=/tmp/site
 : "${MOSSBUILD_COMMIT:?set MOSSBUILD_COMMIT: the GPU copy has no .git}"
 export MOSSBUILD_COMMIT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# MOSSBUILD_GPU=<i> (benchmarks/gpu_pair.sh): GPU i alone, the i-th half of the cores, and no Snakemake lock, so
+# that the other precision runs beside it on a two-GPU machine (their rules' outputs are apart)
+pin=() lock=()
+if [ -n "${MOSSBUILD_GPU:-}" ]; then
+    export CUDA_VISIBLE_DEVICES=$MOSSBUILD_GPU
+    half=$(( $(nproc) / 2 ))
+    pin=(taskset -c "$(( MOSSBUILD_GPU * half ))-$(( MOSSBUILD_GPU * half + half - 1 ))") lock=(--nolock)
+fi
 # a call the device tool killed leaves Snakemake's lock behind: the next call lifts it first
-run() { python3 -m snakemake --configfile config/full.yaml "$@" --unlock > /dev/null 2>&1 || true
-        timeout "${MOSSBUILD_STAGE_S:-560}" python3 -m snakemake -c8 --configfile config/full.yaml "$@" || echo "snakemake exit $?"; }
+run() { [ -n "${lock[*]}" ] || python3 -m snakemake --configfile config/full.yaml "$@" --unlock > /dev/null 2>&1 || true
+        timeout "${MOSSBUILD_STAGE_S:-560}" "${pin[@]}" python3 -m snakemake -c8 --configfile config/full.yaml "${lock[@]}" "$@" \
+            || echo "snakemake exit $?"; }
 case $precision in
     bf16) args=() ;;
     fp8) args=(--config engine='{precision: fp8}' benchmark='{baseline: false}') ;;

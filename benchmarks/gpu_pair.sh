@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A run of record on a two-GPU machine (the device tool's nvidia-h100-x2): bf16 on GPU 0 and FP8 on
+# GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in three calls of
+# under 10 minutes, run from the repository root with .whl carried:
+#
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert; bf16 build, verify | FP8 calibrate
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 benchmark | FP8 build, verify
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # FP8 benchmark | (GPU 0 free: the CUDA tests)
+#
+# Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
+# the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
+# A precision's benchmark never runs beside the other's: in call 2 FP8 builds and verifies on its own GPU
+# and cores while bf16 is timed. Each side's output is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
+set -euo pipefail
+side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
+        MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
+both() { side 0 $1 & side 1 $2 & wait; }
+case ${1:?step 1, 2 or 3} in
+    1) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; both "bf16 verify" "fp8 calibrate" ;;
+    2) both "bf16" "fp8 verify" ;;
+    3) side 1 fp8 ;;
+    *) echo "unknown step $1 (1, 2 or 3)" >&2; exit 2 ;;
+esac
