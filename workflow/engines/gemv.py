@@ -81,12 +81,11 @@ def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, re
             use = Use.of(w, fuse, m)
             k, n, act = use.k, use.n, torch.bfloat16 if use.weight_bytes == 1 else w.dtype
             x = torch.randn(m, 2 * k if Fuse.SILU in fuse else k, device=w.device).to(w.dtype)
+            out_n = n // (1 + (Fuse.GLU in fuse))
             args = {
                 "scale": torch.ones(1, device=w.device) if use.weight_bytes == 1 else None,
                 "norm": torch.ones(k, device=w.device, dtype=act) if Fuse.NORM in fuse else None,
-                "residual": torch.zeros(m, n // (1 + (Fuse.GLU in fuse)), device=w.device, dtype=act)
-                if Fuse.RES in fuse
-                else None,
+                "residual": torch.zeros(m, out_n, device=w.device, dtype=act) if Fuse.RES in fuse else None,
                 "silu_mul": Fuse.SILU in fuse,
                 "glu": Fuse.GLU in fuse,
             }
@@ -99,6 +98,8 @@ def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, re
                 except triton.compiler.errors.CompilationError as e:  # a block this GPU's compiler refuses
                     why = str(e).splitlines()[0]
                     warnings.warn(f"gemv.tune: {block} does not compile here, passed over: {why}", stacklevel=1)
+            if not times:
+                raise RuntimeError(f"gemv.tune: no block for {use.key()} launches on this GPU")
             best = min(times, key=times.get)
             found[use] = Tuned(best, times[best])
         del copies
