@@ -5,19 +5,25 @@
 #
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert; bf16 build, verify | FP8 calibrate
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 benchmark | FP8 build, verify
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # FP8 benchmark | (GPU 0 free: the CUDA tests)
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # FP8 benchmark | the tests that need CUDA
 #
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
 # A precision's benchmark never runs beside the other's: in call 2 FP8 builds and verifies on its own GPU
 # and cores while bf16 is timed. Each side's output is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
+# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's)
+CUDA_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
+            tests/test_codec_batch.py tests/test_codec_slots.py tests/test_codec_kernels.py tests/test_codec_stream.py
+            tests/test_codec_timing.py tests/test_codec_fast.py)
 side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
         MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
 both() { side 0 $1 & side 1 $2 & wait; }
 case ${1:?step 1, 2 or 3} in
     1) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; both "bf16 verify" "fp8 calibrate" ;;
     2) both "bf16" "fp8 verify" ;;
-    3) side 1 fp8 ;;
+    3) side 1 fp8 & (CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:. taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 -m pytest -q \
+           -p no:cacheprovider "${CUDA_TESTS[@]}" > "$OUT/cuda-tests.log" 2>&1; echo "tests exit $?" >> "$OUT/cuda-tests.log") &
+       wait ;;
     *) echo "unknown step $1 (1, 2 or 3)" >&2; exit 2 ;;
 esac
