@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from workflow import fp8, trtckpt
-from workflow.engines import blocks, gemv
+from workflow.engines import blocks, gemv, tuning
 from workflow.engines.blocks import Block, Body, Fuse
 from workflow.engines.options import EngineOptions
 from workflow.engines.torch_engine import TorchEngine, rms_norm
@@ -215,8 +215,8 @@ def test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch(m
     w = (torch.randn(2 * 512, 1024, device="cuda") / 32).to(torch.bfloat16)
     huge = Block(Body.DOT, 128, 512, 4, stages=8)
     real = blocks.candidates
-    monkeypatch.setattr(gemv, "candidates", lambda *a: [huge, *real(*a)])
-    found = gemv.tune([(w, Fuse.NORM | Fuse.GLU)], reps=2)
+    monkeypatch.setattr(tuning, "candidates", lambda *a: [huge, *real(*a)])
+    found = tuning.tune([(w, Fuse.NORM | Fuse.GLU)], reps=2)
     assert set(found) == {blocks.Use.of(w, Fuse.NORM | Fuse.GLU, m) for m in blocks.ROWS}
     for use, tuned in found.items():
         assert tuned.block in real(use.k, use.weight_bytes, use.fuse, use.rows) and tuned.ms > 0
@@ -235,15 +235,15 @@ def test_blocks_stored_as_ints_by_earlier_builds_still_load(tmp_path):
     (tmp_path / "engine.json").write_text(json.dumps(meta))
     got = read_engine_json(tmp_path)
     assert got["options"].defer_text_fill and got["options"].backend == "torch"
-    tuning = blocks.read_tuning(got["tuning"]["gemv"])
-    assert {use: t.block for use, t in tuning.items()} == {
+    tuned = blocks.read_tuning(got["tuning"]["gemv"])
+    assert {use: t.block for use, t in tuned.items()} == {
         blocks.Use(8, 64, 1, Fuse.RES): tile(8, 64),
         blocks.Use(9, 64, 1, Fuse.RES): defer(8, 64),
         blocks.Use(10, 128, 2, Fuse.NORM): Block(Body.RESIDENT, 2, 128, 4, per_sm=4),
         blocks.Use(11, 64, 1, Fuse.NONE): Block(Body.DOT, 32, 128, 4, stages=2),
         blocks.Use(12, 64, 2, Fuse.SILU | Fuse.RES): tile(8, 64, 8),
     }
-    assert blocks.read_tuning(blocks.tuning_json(tuning)).keys() == tuning.keys()
+    assert blocks.read_tuning(blocks.tuning_json(tuned)).keys() == tuned.keys()
 
 
 def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
@@ -263,11 +263,11 @@ def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
         ({"24x64:4:norm:1": one.to_dict(), "24x64:4:norm:4": four.to_dict()}, [one, four, four, four]),
         ({"24x64:4:norm": one.to_dict()}, [one] + [gemv.default_block(64)] * 3),
     ):
-        tuning = blocks.read_tuning(stored)
-        assert blocks.read_tuning(blocks.tuning_json(tuning)) == tuning
-        assert blocks.blocks_for(tuning, w, Fuse.NONE) == {}
+        tuned = blocks.read_tuning(stored)
+        assert blocks.read_tuning(blocks.tuning_json(tuned)) == tuned
+        assert blocks.blocks_for(tuned, w, Fuse.NONE) == {}
         lin = Linear(w)
-        lin.blocks = blocks.blocks_for(tuning, w, Fuse.NORM)
+        lin.blocks = blocks.blocks_for(tuned, w, Fuse.NORM)
         launched.clear()
         for m in (1, 2, 3, 4):
             x = torch.randn(m, 64)

@@ -31,7 +31,7 @@ weight read: each program takes BLOCK_N output columns for all M (<= MAX_M) rows
   (decode -0.05 to -0.16 ms a step on an H100; for FP8, whose quantize kernel stays between
   the two, it brought nothing: docs/levers.md, probe 17).
 
-Each call is given its `Block` (body and sizes): chosen by `tune` on the target GPU at build,
+Each call is given its `Block` (body and sizes): chosen by `tuning.tune` on the target GPU at build,
 per `Use` (weight shape, Fuse and row count), stored in engine.json and handed by the engine to
 each linear.
 Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): how the tests check it.
@@ -40,12 +40,10 @@ Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): h
 from __future__ import annotations
 
 import functools
-import warnings
-from collections.abc import Callable
 
 import torch
 
-from workflow.engines.blocks import ROWS, Block, Body, Fuse, Tuned, Use, candidates, default_block, fuse_of
+from workflow.engines.blocks import ROWS, Block, Body, default_block, fuse_of
 
 try:
     import triton
@@ -54,7 +52,6 @@ except ImportError:  # the engine works without it (engine.gemv: false)
     triton = None
 
 MAX_M = ROWS[-1]  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
-L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
 def available() -> bool:
@@ -65,69 +62,6 @@ def available() -> bool:
 def multiprocessors(device: torch.device) -> int:
     """The GPU's SM count (the resident body's grid); under the interpreter, a few."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
-def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, reps: int = 20) -> dict[Use, Tuned]:
-    """Time every candidate block for each (weight, fuse) use at each row count of x, on the
-    weight's device, and keep the fastest (a block this GPU cannot launch is passed over). Like a
-    TensorRT tactic choice: run once at build on the target GPU; the engine stores the result in
-    engine.json and hands each call its block."""
-    found: dict[Use, Tuned] = {}
-    for w, fuse in uses:
-        if Use.of(w, fuse) in found:
-            continue
-        copies = l2_copies(w)
-        for m in rows:
-            use = Use.of(w, fuse, m)
-            k, n, act = use.k, use.n, torch.bfloat16 if use.weight_bytes == 1 else w.dtype
-            x = torch.randn(m, 2 * k if Fuse.SILU in fuse else k, device=w.device).to(w.dtype)
-            out_n = n // (1 + (Fuse.GLU in fuse))
-            args = {
-                "scale": torch.ones(1, device=w.device) if use.weight_bytes == 1 else None,
-                "norm": torch.ones(k, device=w.device, dtype=act) if Fuse.NORM in fuse else None,
-                "residual": torch.zeros(m, out_n, device=w.device, dtype=act) if Fuse.RES in fuse else None,
-                "silu_mul": Fuse.SILU in fuse,
-                "glu": Fuse.GLU in fuse,
-            }
-            times = {}
-            for block in candidates(k, use.weight_bytes, fuse, m):
-                try:
-                    times[block] = call_ms(functools.partial(launch, x, out_dtype=act, block=block, **args), copies, reps)
-                except triton.runtime.errors.OutOfResources:  # more shared memory or registers than this GPU has
-                    continue
-                except triton.compiler.errors.CompilationError as e:  # a block this GPU's compiler refuses
-                    why = str(e).splitlines()[0]
-                    warnings.warn(f"gemv.tune: {block} does not compile here, passed over: {why}", stacklevel=1)
-            if not times:
-                raise RuntimeError(f"gemv.tune: no block for {use.key()} launches on this GPU")
-            best = min(times, key=times.get)
-            found[use] = Tuned(best, times[best])
-        del copies
-    return found
-
-
-def l2_copies(w: torch.Tensor) -> list[torch.Tensor]:
-    """w and enough clones of it that, read in turn, they overflow L2: a timed call finds no
-    weight bytes cached, as in a decode step that reads each weight once."""
-    return [w] + [w.clone() for _ in range(-(-L2_FLUSH // (w.numel() * w.element_size())) - 1)]
-
-
-def call_ms(call: Callable[[torch.Tensor], object], copies: list[torch.Tensor], reps: int = 20) -> float:
-    """ms a call of `call(weight)`: compiled outside the capture, then `reps` calls cycling
-    through `copies` replayed from one CUDA graph (launch gaps would hide the kernel's own
-    time), the graph replayed once untimed first."""
-    call(copies[0])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            call(copies[i % len(copies)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 if triton is not None:

@@ -37,11 +37,12 @@ from torch import nn
 
 from workflow import trtckpt
 from workflow.cudagraphs import Graphs
-from workflow.engines import ahead, attention, blocks, gemv
+from workflow.engines import ahead, attention, blocks
 from workflow.engines.base import Engine, any_text, merged_ids, to_device
 from workflow.engines.linears import Linear, LinearArgs, gemv_path, layer_linears, project, rms_norm, rope
 from workflow.engines.options import EngineOptions
 from workflow.engines.slots import Slots, batch_bucket
+from workflow.engines.tuning import tune
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
@@ -211,7 +212,7 @@ class TorchEngine(Engine, nn.Module):
         if options.gemv and self.device.type == "cuda":
             uses = self.gemv_uses()
             if not self.tuning:  # first load (build): choose each use's block on this GPU
-                self.tuning = gemv.tune([(lin.weight, fuse) for lin, fuse in uses])
+                self.tuning = tune([(lin.weight, fuse) for lin, fuse in uses])
             for lin, fuse in uses:
                 lin.blocks = blocks.blocks_for(self.tuning, lin.weight, fuse)
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
