@@ -212,7 +212,8 @@ if triton is not None:
                     acc2 = _mma(x, tl.trans(w2), acc2, IEEE)
         if W_FIRST:
             acc = tl.trans(acc)
-            acc2 = tl.trans(acc2)
+            if GLU:
+                acc2 = tl.trans(acc2)
         _store(acc, acc2, y_ptr, res_ptr, scale_ptr, rm, rn, m_ok, n_ok, N, rows_per_part, HAS_RES, HAS_SCALE, GLU, False)
 
     @triton.jit
