@@ -3,27 +3,32 @@
 # GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in three calls of
 # under 10 minutes, run from the repository root with .whl carried:
 #
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert; bf16 build, verify | FP8 calibrate
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | GEMV tests; bf16 build, verify | FP8 calibrate
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 benchmark | FP8 build, verify
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # FP8 benchmark | the tests that need CUDA
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # FP8 benchmark | the codec tests that need CUDA
 #
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
 # A precision's benchmark never runs beside the other's: in call 2 FP8 builds and verifies on its own GPU
 # and cores while bf16 is timed. Each side's output is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
-# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's)
-CUDA_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
-            tests/test_codec_batch.py tests/test_codec_slots.py tests/test_codec_kernels.py tests/test_codec_stream.py
-            tests/test_codec_timing.py tests/test_codec_fast.py)
+# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's
+# first, beside convert, since the builds that follow tune it
+GEMV_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch)
+CODEC_TESTS=(tests/test_codec_batch.py tests/test_codec_slots.py tests/test_codec_kernels.py tests/test_codec_stream.py
+             tests/test_codec_timing.py tests/test_codec_fast.py)
 side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
         MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
-both() { side 0 $1 & side 1 $2 & wait; }
+both() { side 0 "$1" & side 1 "$2" & wait; }
+# tests <gpu> <log> <test ...>: pytest on GPU i with the i-th half of the cores, its output in $OUT/<log>
+tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(( $1 * half ))-$(( $1 * half + half - 1 ))" \
+              python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
+[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl
 case ${1:?step 1, 2 or 3} in
-    1) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; both "bf16 verify" "fp8 calibrate" ;;
+    1) tests 1 gemv-tests.log "${GEMV_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait
+       both "bf16 verify" "fp8 calibrate" ;;
     2) both "bf16" "fp8 verify" ;;
-    3) side 1 fp8 & (CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:. taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 -m pytest -q \
-           -p no:cacheprovider "${CUDA_TESTS[@]}" > "$OUT/cuda-tests.log" 2>&1; echo "tests exit $?" >> "$OUT/cuda-tests.log") &
-       wait ;;
+    3) side 1 fp8 & tests 0 cuda-tests.log "${CODEC_TESTS[@]}" & wait ;;
     *) echo "unknown step $1 (1, 2 or 3)" >&2; exit 2 ;;
 esac
