@@ -19,7 +19,7 @@ CODEC_TESTS=(tests/test_codec_batch.py tests/test_codec_slots.py tests/test_code
              tests/test_codec_timing.py tests/test_codec_fast.py)
 side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
         MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
-both() { side 0 "$1" & side 1 "$2" & wait; }
+both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
 # tests <gpu> <log> <test ...>: pytest on GPU i with the i-th half of the cores, its output in $OUT/<log>
 tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(( $1 * half ))-$(( $1 * half + half - 1 ))" \
               python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
