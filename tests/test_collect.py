@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 COLLECT = ROOT / "benchmarks" / "collect.py"
-RUNS = ["2026-11-27-h100-full18", "2026-11-26-h200-full7"]  # README's runs of record
+RUNS = ["2026-11-27-h100-full19", "2026-11-26-h200-full7"]  # README's runs of record
 BASE = "5dada02"  # holds every results directory and patch the ledger names
 
 
@@ -201,7 +201,7 @@ def test_the_ledger_has_a_row_for_every_removed_result(history):
 def test_first_audio_with_the_codec_decoder_is_collected_and_judged(tmp_path):
     """A run whose detokenizer was the codec decoder (`benchmark.speech: codec`): summary.json gains its
     time to first audio and RTF per variant, judged against issue 32's 60 ms (bf16) and 50 ms (FP8); a
-    run with the stand-in (H200 run 7) gains neither figure nor goal. H100 run 18 missed both."""
+    run with the stand-in (H200 run 7) gains neither figure nor goal. H100 run 19 missed both."""
     run = tmp_path / "run"
     shutil.copytree(RESULTS / RUNS[1], run)
     for p, ms in (("bf16", 58.0), ("fp8", 51.0)):
