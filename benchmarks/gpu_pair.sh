@@ -11,7 +11,9 @@
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
 # A precision's benchmark never runs beside the other's: in call 2 FP8 builds and verifies on its own GPU
 # and cores while bf16 is timed. H100 run 19: the three calls took 371 / 456 / 353 s, the machine held
-# 1,360 s in all (one call more than these three). Each side's output is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
+# 1,360 s in all (one call more than these three). Step 1 on a fresh machine is the longest: download
+# and convert (~100 s), then bf16's build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify
+# (~155 s) beside FP8's calibrate (~325 s); a call cut at MOSSBUILD_STAGE_S is run again as it is. Each side's output is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
 # the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's
 # first, beside convert, since the builds that follow tune it

@@ -5,7 +5,7 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16 verify     # download .. verify
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh bf16            # benchmark (load included)
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 calibrate   # reuses download and convert
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 verify      # build (tunes ~245 s at 1 and 4 rows), verify
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8 verify      # build (tunes the GEMV at 1, 2 and 4 rows), verify
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pipeline.sh fp8             # benchmark
 #
 # The second argument, a rule, stops there (Snakemake's --until). The fp8 run's benchmark leaves out
@@ -20,8 +20,9 @@
 # bf16 and FP8 together no longer fit one machine's 30-minute hold (H100 run 18: ~2,100 s with the load):
 # run bf16 verify and bf16 on one machine, then fp8 calibrate, fp8 verify and fp8 on a fresh one (its
 # calibrate call redoes download and convert; FP8 calibration alone took 305-340 s there).
-# At 7d0b029 on an H100 the bf16 calls took 359 s (verify) and 438 s (levels to 32); tuning the GEMV
-# at 4 rows too adds ~85 s (bf16) and ~110 s (FP8) to build (~0.54 s a candidate in probe 34).
+# At 7d0b029 on an H100 the bf16 calls took 359 s (verify) and 438 s (levels to 32). Tuning the GEMV
+# at 1 and 4 rows took 149 s of bf16's build (359 blocks) and 77 s of FP8's (655) in H100 run 19;
+# tuning at 2 rows too adds ~155 and ~200 blocks (~+64 s bf16, ~+24 s FP8).
 # benchmark.json's `sections_s` says where a benchmark call's time went (eager baseline, engine, codec, load).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
 # (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).

@@ -252,15 +252,15 @@ def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
     only (keys without rows) reads as one row's: their calls of more rows take the default."""
     from workflow.engines.linears import Linear, project
 
-    assert blocks.ROWS == (1, gemv.MAX_M) == (1, 4)
-    assert [blocks.rows_bucket(m) for m in range(1, gemv.MAX_M + 1)] == [1, 4, 4, 4]
+    assert blocks.ROWS == (1, 2, gemv.MAX_M) == (1, 2, 4)
+    assert [blocks.rows_bucket(m) for m in range(1, gemv.MAX_M + 1)] == [1, 2, 4, 4]
     w, g = torch.randn(24, 64) / 8, torch.rand(64) + 0.5
-    one, four = tile(8, 64), tile(4, 32, 8)
+    one, two, four = tile(8, 64), tile(2, 64), tile(4, 32, 8)
     launched = []
     real = gemv.launch
     monkeypatch.setattr(gemv, "launch", lambda *a, **kw: launched.append(a[8]) or real(*a, **kw))
     for stored, want in (
-        ({"24x64:4:norm:1": one.to_dict(), "24x64:4:norm:4": four.to_dict()}, [one, four, four, four]),
+        ({f"24x64:4:norm:{m}": b.to_dict() for m, b in ((1, one), (2, two), (4, four))}, [one, two, four, four]),
         ({"24x64:4:norm": one.to_dict()}, [one] + [gemv.default_block(64)] * 3),
     ):
         tuned = blocks.read_tuning(stored)

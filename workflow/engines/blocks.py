@@ -26,7 +26,7 @@ class Fuse(enum.Flag):
     GLU = enum.auto()  # epilogue: w = [gate; up] -> silu(x @ gate^T) * (x @ up^T)
 
 
-ROWS = (1, 4)  # the row counts tuned: a call of m rows takes the block of the first count >= m
+ROWS = (1, 2, 4)  # the row counts tuned: a call of m rows takes the block of the first count >= m
 
 
 def rows_bucket(m: int) -> int:
