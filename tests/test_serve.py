@@ -423,3 +423,49 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
 def test_load_config_names_an_unknown_key():
     with pytest.raises(ValueError, match=r"benchmark\.load: unknown key"):
         load.LoadConfig.from_dict({"closed": [4], "users": 3})
+
+
+@pytest.mark.parametrize("most_users", [0, 2, 11, 13, 24, 29, 50, 100, 400])
+def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_that_did_not(most_users):
+    """With levels holding the SLO up to `most_users` and no further, the search ends with the
+    largest that held at most that, the smallest that failed above it, and the two within
+    search_step users or a quarter of the answer; past search_max it stops at search_max."""
+    step, most = 4, 256
+    held = {n: n <= most_users for n in (4, 8, 16, 32)}
+    runs = 0
+    while (n := load.next_search_level(held, step, most)) is not None:
+        assert n not in held and 0 < n <= most
+        held[n], runs = n <= most_users, runs + 1
+    lo = max((n for n, ok in held.items() if ok), default=0)
+    above = [n for n, ok in held.items() if not ok and n > lo]
+    assert lo <= most_users and runs <= 6
+    if most_users >= most:
+        assert lo == most and not above
+    else:
+        assert min(above) > most_users and min(above) - lo <= max(step, lo // 4)
+
+
+def test_the_search_keeps_the_largest_level_that_held_and_searches_above_it():
+    """A noisy grid (8 failed, 16 held): the search goes on above 16, not below 8."""
+    assert load.next_search_level({4: True, 8: False, 16: True, 32: False}, 4, 256) == 24
+    assert load.next_search_level({4: True, 8: True}, 4, 256) == 16  # every level held: twice the largest
+    assert load.next_search_level({4: True, 8: True}, 4, 8) is None  # ... up to search_max
+
+
+def test_the_load_benchmark_searches_past_its_levels(monkeypatch):
+    """load.run with search_step: the given levels, then searched ones (marked), each run as any
+    level, until streams at the SLO is pinned; the answer is the largest level that held."""
+    ran = []
+
+    def level(engine, detokenize, clock, lv, chunk_tokens, sampling):
+        ran.append(lv.value)
+        p99 = 150.0 if lv.value <= 21 else 250.0  # 21 users hold the 200 ms SLO, 22 do not
+        return {"kind": lv.kind, "value": lv.value, "ttfa_ms": {"p99": p99}, "underruns": 0, "failed": 0,
+                "tokens_per_s": 1.0, "busy_fraction": 0.5}, []  # fmt: skip
+
+    monkeypatch.setattr(load, "run_level", level)
+    monkeypatch.setattr(load, "prepare", lambda *a: {})
+    cfg = load.LoadConfig(closed=(4, 8), search_step=4, search_max=64)
+    out = load.run(None, None, lambda: 0.0, cfg, None, 5, Sampling())
+    assert ran == [4, 8, 16, 32, 24, 20] and out["streams_at_slo"] == 20
+    assert [lv["searched"] for lv in out["levels"]] == [False, False, True, True, True, True]

@@ -219,9 +219,10 @@ def load_markdown(load: dict) -> list[str]:
         "device: prefill / sample / decode / detok. (first) | slots in use (at most) | queued ms p99 | refused / failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for lv in load["levels"]:
+    for lv in sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"])):  # closed, then open; searched levels in place
         t, d = lv["ttfa_ms"], lv["device_busy"]
         what = f"closed, {lv['value']:g} users" if lv["kind"] == "closed" else f"Poisson {lv['value']:g}/s"
+        what += " (search)" if lv.get("searched") else ""
         lines.append(
             f"| {what} | {lv['offered_streams']:.0f} | {lv['requests']} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} "
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
@@ -288,7 +289,7 @@ def _save_twin(plt, fig, ax, ax2, right_label: str, path: Path) -> None:
 
 def load_plots(load: dict, out: Path, plt) -> None:
     """load.png (TTFA p99 and underruns against offered load), load_timeline.png (one stream)."""
-    closed = [lv for lv in load["levels"] if lv["kind"] == "closed"]
+    closed = sorted((lv for lv in load["levels"] if lv["kind"] == "closed"), key=lambda lv: lv["value"])
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [lv["offered_streams"] for lv in closed]
     ax.plot(xs, [lv["ttfa_ms"]["p99"] for lv in closed], "o-", label="TTFA p99 (closed loop)")

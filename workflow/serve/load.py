@@ -21,7 +21,9 @@ Figures per level, with the definitions of docs/DESIGN (shared by every result f
   device's time per phase of the loop over wall time (`device_busy`: prefill, sample, decode on
   the decoding stream, detokenize on its own);
 - streams at the SLO: the largest closed-loop N whose TTFA p99 <= ttfa_slo_ms with no underrun
-  and no failed stream.
+  and no failed stream. With `search_step`, closed levels follow the given ones until that N is
+  known to within search_step users or a quarter of it (`next_search_level`), so the answer is not
+  capped by the levels a config happened to offer.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class LoadConfig:
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
     seed: int = 9101
+    search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
+    search_max: int = 256  # the most users the search offers
 
     @property
     def longest_codes(self) -> int:
@@ -70,6 +74,26 @@ class LoadConfig:
             raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
         tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
         return cls(**(d | tuples))
+
+
+def holds(level: dict, slo_ms: float) -> bool:
+    """A level at the SLO: TTFA p99 within it, no underrun, no failed stream."""
+    return level["ttfa_ms"]["p99"] <= slo_ms and not level["underruns"] and not level["failed"]
+
+
+def next_search_level(held: dict[int, bool], step: int, most: int) -> int | None:
+    """The closed level (users) to run next, from those run ({users: held the SLO}), or None when the
+    answer is known: lo, the most users that held, and hi, the fewest above lo that did not. While
+    no level above lo failed, twice lo (at most `most`); else halfway, in multiples of `step`, until
+    hi - lo is at most `step` or a quarter of lo."""
+    lo = max((n for n, ok in held.items() if ok), default=0)
+    above = [n for n, ok in held.items() if n > lo]  # all failed: lo is the most that held
+    if not above:
+        return min(2 * lo, most) if 0 < lo < most else None
+    hi = min(above)
+    if hi - lo <= max(step, lo // 4):
+        return None
+    return lo + max(1, (hi - lo) // 2 // step * step)
 
 
 def audible(req: Request, sample_rate: float) -> list[tuple[float, float]]:
@@ -261,26 +285,32 @@ def run(
         warm = LoadConfig(**(cfg.__dict__ | {"duration_s": cfg.warmup_s}))
         level = Level(warm, "closed", max(cfg.closed), ids, torch.Generator().manual_seed(cfg.seed - 1))
         run_level(engine, detokenize, clock, level, chunk_tokens, sampling)
+
+    def one(kind: str, value: float, searched: bool = False) -> dict:
+        """Runs a level and records it; its result."""
+        nonlocal example
+        g = torch.Generator().manual_seed(cfg.seed + len(levels))
+        result, done = run_level(engine, detokenize, clock, Level(cfg, kind, value, ids, g), chunk_tokens, sampling)
+        levels.append(result | {"searched": searched})
+        print(
+            f"load {kind} {value:g}{' (search)' if searched else ''}: TTFA p99 {result['ttfa_ms']['p99']:.1f} ms, "
+            f"{result['underruns']} underruns, {result['tokens_per_s']:.0f} codes/s, busy {result['busy_fraction']:.2f}",
+            file=sys.stderr,
+        )
+        served = [r for r in done if r.error is None and r.ttfa_s is not None]
+        if served and kind == "closed":  # the latest closed level's stream arriving nearest its middle
+            mid = served[0].t_arrival + cfg.duration_s / 2
+            example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), pcm_rate(detokenize))
+            example["level"] = value
+        return result
+
     for kind, values in (("closed", cfg.closed), ("open", cfg.rates)):
         for value in values:
-            g = torch.Generator().manual_seed(cfg.seed + len(levels))
-            result, done = run_level(engine, detokenize, clock, Level(cfg, kind, value, ids, g), chunk_tokens, sampling)
-            levels.append(result)
-            print(
-                f"load {kind} {value:g}: TTFA p99 {result['ttfa_ms']['p99']:.1f} ms, {result['underruns']} underruns, "
-                f"{result['tokens_per_s']:.0f} codes/s, busy {result['busy_fraction']:.2f}",
-                file=sys.stderr,
-            )
-            served = [r for r in done if r.error is None and r.ttfa_s is not None]
-            if served and kind == "closed":  # the latest closed level's stream arriving nearest its middle
-                mid = served[0].t_arrival + cfg.duration_s / 2
-                example = timeline(min(served, key=lambda r: abs(r.t_arrival - mid)), pcm_rate(detokenize))
-                example["level"] = value
-    ok = [
-        lv["value"]
-        for lv in levels
-        if lv["kind"] == "closed" and lv["ttfa_ms"]["p99"] <= cfg.ttfa_slo_ms and not lv["underruns"] and not lv["failed"]
-    ]
+            one(kind, value)
+    held = {lv["value"]: holds(lv, cfg.ttfa_slo_ms) for lv in levels if lv["kind"] == "closed"}
+    while cfg.search_step and (n := next_search_level(held, cfg.search_step, cfg.search_max)) is not None:
+        held[n] = holds(one("closed", n, searched=True), cfg.ttfa_slo_ms)
+    ok = [n for n, yes in held.items() if yes]
     return {
         "config": cfg.__dict__,
         "levels": levels,
