@@ -127,7 +127,8 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     (all made ahead by `warm`), a stream's pieces on the urgent lane until it has a chunk's audio (here its
     first three: the first PCM, after 6 codes, is 80 ms) and the rest on the other, the
     host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order;
-    with flow slots too (each call solving new frames only, its slot written inside the graph).
+    with flow slots too (each call solving new frames only, its slot written inside the graph; warm
+    makes the later lane's solves at both of `frames_a_call`).
     TF32 off: the tolerance is float32's."""
     import copy
 
@@ -137,7 +138,10 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     dec.noise.buffer = dec.noise.buffer.to(dev)
     got: dict[int, list[torch.Tensor]] = {}
     lanes = CodecLanes(
-        CodecBatch(dec, voice, bucket=lambda n: 1 << (n - 1).bit_length(), pad_frames=40, graphs=True, slots=slots, max_codes=30),
+        CodecBatch(
+            dec, voice, bucket=lambda n: 1 << (n - 1).bit_length(), pad_frames=40, graphs=True, slots=slots, max_codes=30,
+            later_frames=100,
+        ),
         dev, time.perf_counter,
         sink=lambda key, pcm: got.setdefault(key, []).append(pcm),
     )  # fmt: skip

@@ -107,6 +107,32 @@ def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+def test_held_chunks_solve_in_one_round_of_the_larger_shape(decoder, voice, monkeypatch):
+    """With `later_frames` a stream's waiting chunks are solved as one call up to that many frames a row,
+    not rounds of `new_frames`; a call that needs no more takes the smaller shape. The same two streams
+    as above: 21 codes (100 new frames each) in one call of 100 frames a row, then a chunk and the last
+    call in calls of 60; each stream's PCM is still its own alone."""
+    batch = CodecBatch(decoder, voice, slots=2, max_codes=40, later_frames=90)  # rounded up to whole chunks
+    assert (
+        batch.frames_a_call == (60, 100)
+        and batch.slot_frames == CodecBatch(decoder, voice, slots=2, max_codes=40).slot_frames + 40
+    )
+    shapes, real = [], FlowSlots.flow
+    monkeypatch.setattr(
+        FlowSlots, "flow", lambda self, tokens, *a: shapes.append((len(tokens), a[-3].shape[1])) or real(self, tokens, *a)
+    )
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n, last in ((0, 21, False), (21, 5, True)):
+        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    assert shapes == [(2, 100), (2, 60), (2, 60)]
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
 def test_a_stream_longer_than_its_slot_gives_it_back_and_goes_on(decoder, voice):
     """A reply longer than `max_codes` (the slots' size): when its next call would run past its slot
     the stream gives the slot back, for the next stream, and re-runs every frame from there; its PCM

@@ -202,10 +202,11 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
         graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
-        longest = LoadConfig.from_dict(p["load"]).longest_codes if p.get("load") else 0
+        serving = LoadConfig.from_dict(p["load"]) if p.get("load") else None
+        held = serving.detokenize_hold * decoder.cfg.chunk * decoder.stride if serving else 0  # a held batch's frames a stream
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
-            slots=t.slots, max_codes=max(p["num_tokens"], longest),
+            slots=t.slots, max_codes=max(p["num_tokens"], serving.longest_codes if serving else 0), later_frames=held,
         )  # fmt: skip
         slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames) if t.slots else 0
         cached = (

@@ -49,13 +49,16 @@ class CodecBatch:
 
     def __init__(
         self, decoder: CodecDecoder, voice: VoicePrompt, bucket: Callable[[int], int] = lambda n: n,
-        pad_frames: int = 0, graphs: bool = False, slots: int = 0, max_codes: int = 0,
+        pad_frames: int = 0, graphs: bool = False, slots: int = 0, max_codes: int = 0, later_frames: int = 0,
     ):  # fmt: skip
         """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
         shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
         from a CUDA graph, per lane; slots > 0: the flow cache in fixed buffers (slots.py) for that many
         streams at once, each of up to `max_codes` codes (a longer one gives its slot back when it outgrows
-        it, and re-runs every frame from there): a call solves only its new frames."""
+        it, and re-runs every frame from there): a call solves only its new frames, up to `new_frames` a
+        row (the first call's), or where a stream's waiting chunks need more, `later_frames` (rounded up
+        to whole chunks): a solve costs nearly the same for one chunk as for three (levers.md, "H100 codec
+        11"), so serving's held chunks go as one round, not one per `new_frames`."""
         if pad_frames % decoder.stride:
             raise ValueError(f"pad_frames must be a multiple of {decoder.stride} frames (a code's), got {pad_frames}")
         self.decoder, self.voice, self.bucket, self.pad_frames = decoder, voice.to(decoder.device), bucket, pad_frames
@@ -64,6 +67,7 @@ class CodecBatch:
         self.keys = KEYS  # the last key handed out by new_key
         self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
         self.slot_count, self.slot_frames = slots, 0
+        self.frames_a_call: tuple[int, ...] = ()  # with slots: the frames a row a solve takes, fewest first
         self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
         self.slot_of: dict[int, int] = {}  # each stream's slot
         self.solved: dict[int, int] = {}  # each stream's frames in its slot's past (absolute, the prompt's first)
@@ -71,7 +75,9 @@ class CodecBatch:
             cf, stride = decoder.cfg.chunk * decoder.stride, decoder.stride
             base = decoder.past_frames(len(self.prompt))
             self.new_frames = -(-((len(self.prompt) + self.first_codes) * stride - base) // cf) * cf
-            self.slot_frames = (len(self.prompt) + max_codes + self.first_codes) * stride - base + self.new_frames
+            later = -(-later_frames // cf) * cf
+            self.frames_a_call = (self.new_frames, *([later] if later > self.new_frames else []))  # the solve's shapes
+            self.slot_frames = (len(self.prompt) + max_codes + self.first_codes) * stride - base + self.frames_a_call[-1]
 
     def flow_slots(self) -> FlowSlots:
         """The slots (made at the first call)."""
@@ -149,7 +155,7 @@ class CodecBatch:
         """Whether a call ends past what a slot holds (a reply longer than `max_codes`)."""
         la = 0 if call.finalize else self.decoder.cfg.encoder.lookahead
         end = (len(self.prompt) + len(call.codes) - la) * self.decoder.stride
-        return end - self.flow_slots().base + self.new_frames > self.flow_slots().frames
+        return end - self.flow_slots().base + self.frames_a_call[-1] > self.flow_slots().frames
 
     def _unslot(self, key: int) -> None:
         """A stream gives its slot back and goes on without one."""
@@ -159,7 +165,8 @@ class CodecBatch:
     def _jobs(self, pieces: list[Piece], calls: list[list[FlowCall]]) -> dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]]:
         """Each stream's flow calls in order, as `mel` runs them, with the frames each call keeps and its
         piece: with a slot, consecutive calls (not a last one) go as one call while their new frames fit
-        `new_frames` (chunk masks make the frames of one call over two chunks those of two calls)."""
+        the largest of `frames_a_call` (chunk masks make the frames of one call over two chunks those of
+        two calls)."""
         stride, p, la = self.decoder.stride, len(self.prompt), self.decoder.cfg.encoder.lookahead
         jobs: dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]] = {}
         start: dict[int, int] = {}  # each stream's first frame of its last job
@@ -170,7 +177,7 @@ class CodecBatch:
                 kept = end - (p + c.offset) * stride
                 last = js[-1][0] if js else None
                 merge = k in self.slot_of and last is not None and not (c.finalize or last.finalize)
-                if merge and end - start[k] <= self.new_frames:
+                if merge and end - start[k] <= self.frames_a_call[-1]:
                     js[-1] = (FlowCall(c.codes, last.offset, streaming=True, finalize=False), [*js[-1][1], (i, kept)])
                 else:
                     if k in self.slot_of:  # where this call starts solving: the slot's end, or the last job's
@@ -196,10 +203,11 @@ class CodecBatch:
         return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, *_) in zip(pcm, work, strict=True)]
 
     @torch.inference_mode()  # also when warm() calls it: no autograd graph holding every step's activations
-    def mel(self, calls: list[FlowCall], finalize: bool, keys: list[int] | None = None) -> list[Tensor]:
+    def mel(self, calls: list[FlowCall], finalize: bool, keys: list[int] | None = None, solve: int = 0) -> list[Tensor]:
         """The new frames [mels, n] of streaming calls, all final or none (the same lookahead), of the
         streams `keys`: in their slots if they have them, else re-running every frame. keys None: calls
-        of no stream (`CodecLanes.warm`'s), in the scratch rows with slots."""
+        of no stream (`CodecLanes.warm`'s), in the scratch rows with slots, solving `solve` frames a row (0:
+        the fewest of `frames_a_call`)."""
         dec, la, stride = self.decoder, self.decoder.cfg.encoder.lookahead, self.decoder.stride
         dev, n = dec.device, self.bucket(len(calls))
         rows = [self.prompt + c.codes for c in calls]
@@ -213,7 +221,7 @@ class CodecBatch:
         if not finalize:
             args.append(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))))
         if self.slot_count and all(k in self.slot_of for k in keys or []):
-            return self._solve_new(calls, finalize, keys, bodies, args)
+            return self._solve_new(calls, finalize, keys, bodies, args, solve)
         args = [to_device(dev, a) for a in args]
         flow = functools.partial(dec.rows, self.voice, chunk=dec.cfg.chunk)
         if self.graphs is None:
@@ -225,15 +233,24 @@ class CodecBatch:
         return [mel[i, :, p + c.offset * stride : len(bodies[i]) * stride] for i, c in enumerate(calls)]
 
     def _solve_new(
-        self, calls: list[FlowCall], finalize: bool, keys: list[int] | None, bodies: list[list[int]], args: list[Tensor]
+        self,
+        calls: list[FlowCall],
+        finalize: bool,
+        keys: list[int] | None,
+        bodies: list[list[int]],
+        args: list[Tensor],
+        q: int = 0,
     ) -> list[Tensor]:
         """`mel` with slots: each row solves its frames from its slot's end on (a new stream's from the
-        prompt's past), `new_frames` a row; every row's slot then holds its call's frames."""
-        slots, stride, q = self.flow_slots(), self.decoder.stride, self.new_frames
+        prompt's past), the fewest of `frames_a_call` that every row's fit (or q); every row's slot then
+        holds its call's frames."""
+        slots, stride = self.flow_slots(), self.decoder.stride
         ends = [len(b) * stride for b in bodies]
         row_slots: list[int | None] = [self.slot_of[k] for k in keys] if keys else []
         row_slots += [None] * (len(bodies) - len(row_slots))
         starts = [self.solved[k] for k in keys] if keys else []
+        need = max((e - a for e, a in zip(ends, starts, strict=False)), default=0)
+        q = q or next((f for f in self.frames_a_call if f >= need), self.frames_a_call[-1])  # more: index refuses
         starts += [max(slots.base, e - q) for e in ends[len(starts) :]]
         index = slots.index(row_slots, starts, ends, q, args[0].shape[1] * stride)
         tensors = [to_device(self.decoder.device, a) for a in (*args, *index.tensors())]
@@ -241,7 +258,7 @@ class CodecBatch:
         if self.graphs is None:
             mel = flow(*tensors)
         else:  # as in `mel`: the output lives in the graph's pool
-            key = ("slots", tuple(args[0].shape), finalize, torch.cuda.current_stream(self.decoder.device).priority)
+            key = ("slots", tuple(args[0].shape), q, finalize, torch.cuda.current_stream(self.decoder.device).priority)
             mel = self.graphs.call(key, flow, *tensors).clone()
         slots.advance(row_slots)
         for k, e in zip(keys or [], ends, strict=False):
@@ -347,7 +364,8 @@ class CodecLanes(Lanes):
         bucket up to `rows` streams, the solve at every frame bucket a reply of up to `max_codes` codes
         reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
         `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
-        every later one's, so its shape is its own); on the urgent lane the same for up to `few` streams'
+        every later one's, so its shape is its own; with slots, the solve at each of `frames_a_call`, on
+        the urgent lane the fewest only); on the urgent lane the same for up to `few` streams'
         first two audible pieces (the second goes there too while the first made less than a chunk's
         audio: serve/scheduler.py). Returns the batches run."""
         batch, calls = self.batch, 0
@@ -361,9 +379,10 @@ class CodecLanes(Lanes):
                         length = max(end // dec.stride - len(batch.prompt), la + 1)
                         for final in (False, True) if n <= few else (False,):
                             call = FlowCall([0] * (length if final else length + la), 0, streaming=True, finalize=final)
-                            with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
-                                batch.mel([call] * n, finalize=final)
-                            calls += 1
+                            for q in batch.frames_a_call[: 1 if urgent or final else None] or (0,):
+                                with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
+                                    batch.mel([call] * n, finalize=final, solve=q)
+                                calls += 1
                 keys = [batch.new_key() for _ in range(n)]
                 fc = self.first_codes
                 for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
