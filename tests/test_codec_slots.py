@@ -133,6 +133,30 @@ def test_held_chunks_solve_in_one_round_of_the_larger_shape(decoder, voice, monk
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_on_cuda_each_solve_shape_is_a_graph_of_its_own(decoder, voice, monkeypatch):
+    """The held chunks' round above on CUDA, the flow replayed from a graph per shape: a graph at each
+    of `frames_a_call` (100 frames a row, then 60), each stream's PCM its own alone. TF32 off."""
+    import copy
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    dev = torch.device("cuda")
+    dec = copy.deepcopy(decoder).to(dev)
+    dec.noise.buffer = dec.noise.buffer.to(dev)
+    batch = CodecBatch(dec, voice, pad_frames=40, graphs=True, slots=2, max_codes=40, later_frames=100)
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n, last in ((0, 21, False), (21, 5, True)):
+        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    assert sorted({key[2] for key in batch.graphs.graphs if key[0] == "slots"}) == [60, 100]
+    for k, c in codes.items():
+        own = alone(dec, voice, k, c.to(dev), 5)
+        assert (torch.cat(pcm[k]) - own).abs().max() <= ATOL_PCM, k
+
+
 def test_a_stream_longer_than_its_slot_gives_it_back_and_goes_on(decoder, voice):
     """A reply longer than `max_codes` (the slots' size): when its next call would run past its slot
     the stream gives the slot back, for the next stream, and re-runs every frame from there; its PCM
