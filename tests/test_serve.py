@@ -322,6 +322,38 @@ def test_a_speaking_streams_later_chunks_wait_until_hold_of_them_do(tiny_engine_
     assert sent == [([0], True)] + [(d, False) for d in later]
 
 
+@pytest.mark.parametrize("slack", [0.0, 0.3])
+def test_a_held_chunk_goes_sooner_when_its_playback_is_near(tiny_engine_dir, slack):
+    """`detokenize_slack_s`: with a hold of 5 chunks, a stream made only 1.6 x faster than it plays
+    (a code each 50 ms of the clock, 80 ms of audio) waits for chunks past its audio's end and
+    underruns; with 0.3 s of slack its held chunks go once the first would play within 0.3 s, in
+    more than one batch before its end, and none is late (the detokenizer here is ready at once)."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    now, sent = [0.0], []
+
+    def detokenize(pieces, urgent):
+        at = now[0]
+        sent.append(([p.done for p in pieces], urgent))
+        return (lambda wait: at), [len(p.codes) for p in pieces]  # a code's PCM a "sample": 12.5 a second
+
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, detokenize_hold=5, detokenize_slack_s=slack,
+                      sampling=Sampling(greedy=True))  # fmt: skip
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
+    req = Request(0, traffic.speech_prompt(1, 20, ids, seed=3)[0], max_steps=30, reply_codes=30)
+    sched.submit(req)
+    while not sched.idle():
+        sched.iterate()
+        now[0] += 0.05
+    sched.flush()
+    assert req.error is None and req.stamped and sent[0] == ([0], True)
+    late, _ = load.underruns(req, 12.5)
+    if slack:
+        assert late == 0 and len(sent) > 3 and all(len(d) < 5 for d, _ in sent[1:-1])
+    else:
+        assert late > 0 and [len(d) for d, _ in sent[1:]] == [5, 2]
+
+
 @pytest.mark.parametrize("detok_cap,cfg_cap,cap", [(2, 0, 2), (0, 3, 3), (3, 2, 2), (0, 0, 4)])
 def test_no_more_streams_open_than_the_detokenizer_serves(tiny_engine_dir, detok_cap, cfg_cap, cap):
     """A stream is open from its admission until its last chunk is sent, and at most `max_streams`

@@ -25,7 +25,9 @@ One thread owns the engine. Each `iterate`:
    and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
    side stream would only grow. With `detokenize_hold` > 1 a speaking stream's chunks also wait
    until that many do: the codec decoder decodes them in one flow call for nearly the cost of one,
-   and a stream far ahead of its playback can afford the wait. With `first_chunks_apart`, a
+   and a stream far ahead of its playback can afford the wait; with `detokenize_slack_s` they go
+   sooner once the first of them would play within that many seconds (its playback counted from
+   the stream's first PCM), so that a larger hold cannot starve playback. With `first_chunks_apart`, a
    stream's chunks go at once, as a batch of their own on the detokenizer's urgent lane, until the
    PCM its earlier chunks made covers one chunk's audio: time to first audio waits on the first,
    and while less than a chunk's audio is in hand (the codec decoder's first PCM is 80-400 ms) the
@@ -104,6 +106,7 @@ class ServeConfig:
     hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
+    detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
     max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
     sampling: Sampling = field(default_factory=Sampling)
@@ -123,7 +126,8 @@ class Scheduler:
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
-        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * pcm_rate(detokenize))  # a chunk's, in samples
+        self.rate = pcm_rate(detokenize)
+        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * self.rate)  # a chunk's, in samples
         limits = (engine.max_batch, cfg.max_streams, getattr(detokenize, "max_streams", 0))
         self.max_streams = min(n for n in limits if n)  # streams open at once at most (`_open`)
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
@@ -213,7 +217,17 @@ class Scheduler:
         if due:
             waiting = Counter(c[0].rid for c in self.outbox)
             speaking = {r.rid for r in self.streams.values()} if hold else set()
-            self._send_where(lambda req: req.rid not in speaking or waiting[req.rid] >= self.cfg.detokenize_hold, urgent=False)
+            held = self.cfg.detokenize_hold
+            self._send_where(lambda req: req.rid not in speaking or waiting[req.rid] >= held or self._due_soon(req), urgent=False)
+
+    def _due_soon(self, req: Request) -> bool:
+        """With `detokenize_slack_s`: whether the stream's next chunk plays within that slack: after the
+        PCM of every chunk sent, from its first PCM's ready time (now while that is not yet known)."""
+        if not self.cfg.detokenize_slack_s:
+            return False
+        now = self.clock()
+        first = next((t for t, n in zip(req.chunk_ready, req.chunk_samples, strict=False) if n), now)
+        return first + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
 
     def _send_where(self, goes: Callable[[Request], bool], urgent: bool) -> None:
         """The waiting chunks whose request `goes`, in one batch; the rest keep waiting."""
