@@ -107,6 +107,19 @@ def test_a_streams_waiting_chunks_run_as_one_call(decoder, voice, monkeypatch):
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+def held_then_last(batch: CodecBatch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Two streams of 26 codes through `batch`: 21 codes at once (chunks that waited), then the last 5;
+    each stream's codes and its PCM."""
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n, last in ((0, 21, False), (21, 5, True)):
+        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    return codes, {k: torch.cat(x) for k, x in pcm.items()}
+
+
 def test_held_chunks_solve_in_one_round_of_the_larger_shape(decoder, voice, monkeypatch):
     """With `later_frames` a stream's waiting chunks are solved as one call up to that many frames a row,
     not rounds of `new_frames`; a call that needs no more takes the smaller shape. The same two streams
@@ -121,16 +134,10 @@ def test_held_chunks_solve_in_one_round_of_the_larger_shape(decoder, voice, monk
     monkeypatch.setattr(
         FlowSlots, "flow", lambda self, tokens, *a: shapes.append((len(tokens), a[-3].shape[1])) or real(self, tokens, *a)
     )
-    g = torch.Generator().manual_seed(5)
-    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
-    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
-    for done, n, last in ((0, 21, False), (21, 5, True)):
-        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
-        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
-            pcm[p.stream].append(x)
+    codes, pcm = held_then_last(batch)
     assert shapes == [(2, 100), (2, 60), (2, 60)]
     for k, c in codes.items():
-        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+        assert (pcm[k] - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -144,17 +151,10 @@ def test_on_cuda_each_solve_shape_is_a_graph_of_its_own(decoder, voice, monkeypa
     dec = copy.deepcopy(decoder).to(dev)
     dec.noise.buffer = dec.noise.buffer.to(dev)
     batch = CodecBatch(dec, voice, pad_frames=40, graphs=True, slots=2, max_codes=40, later_frames=100)
-    g = torch.Generator().manual_seed(5)
-    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
-    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
-    for done, n, last in ((0, 21, False), (21, 5, True)):
-        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
-        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
-            pcm[p.stream].append(x)
+    codes, pcm = held_then_last(batch)
     assert sorted({key[2] for key in batch.graphs.graphs if key[0] == "slots"}) == [60, 100]
     for k, c in codes.items():
-        own = alone(dec, voice, k, c.to(dev), 5)
-        assert (torch.cat(pcm[k]) - own).abs().max() <= ATOL_PCM, k
+        assert (pcm[k] - alone(dec, voice, k, c.to(dev), 5)).abs().max() <= ATOL_PCM, k
 
 
 def test_a_stream_longer_than_its_slot_gives_it_back_and_goes_on(decoder, voice):
