@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# A run of record on a two-GPU machine (the device tool's nvidia-h100-x2): bf16 on GPU 0 and FP8 on
-# GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in three calls of
-# under 10 minutes, run from the repository root with .whl carried:
+# A run of record on a two-GPU machine (the device tool's nvidia-h100-x2 or nvidia-h200-x2): bf16 on GPU 0
+# and FP8 on GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in four calls
+# of under 10 minutes, run from the repository root with .whl carried:
 #
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | GEMV tests; bf16 build, verify | FP8 calibrate
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 benchmark | FP8 build, verify
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # FP8 benchmark | the codec tests that need CUDA
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | the GEMV's CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 build, verify | FP8 calibrate
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | the codec's CUDA tests
 #
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
-# A precision's benchmark never runs beside the other's: in call 2 FP8 builds and verifies on its own GPU
-# and cores while bf16 is timed. H100 run 19: the three calls took 371 / 456 / 353 s, the machine held
-# 1,360 s in all (one call more than these three). Step 1 on a fresh machine is the longest: download
-# and convert (~100 s), then bf16's build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify
-# (~155 s) beside FP8's calibrate (~325 s); a call cut at MOSSBUILD_STAGE_S is run again as it is. Each side's output is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
+# A precision's benchmark never runs beside the other's: in call 3 FP8 builds and verifies on its own GPU
+# and cores while bf16 is timed. H100 run 19 (the first two calls as one then): 371 / 456 / 353 s, the
+# machine held 1,360 s in all. Download and convert (~100 s) are a call of their own because bf16's
+# build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come near
+# the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Each side's output is in
+# $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
 # the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's
 # first, beside convert, since the builds that follow tune it
@@ -28,10 +30,10 @@ tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tm
               python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
-case ${1:?step 1, 2 or 3} in
-    1) tests 1 gemv-tests.log "${GEMV_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait
-       both "bf16 verify" "fp8 calibrate" ;;
-    2) both "bf16" "fp8 verify" ;;
-    3) side 1 fp8 & tests 0 cuda-tests.log "${CODEC_TESTS[@]}" & wait ;;
-    *) echo "unknown step $1 (1, 2 or 3)" >&2; exit 2 ;;
+case ${1:?step 1, 2, 3 or 4} in
+    1) tests 1 gemv-tests.log "${GEMV_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
+    2) both "bf16 verify" "fp8 calibrate" ;;
+    3) both "bf16" "fp8 verify" ;;
+    4) side 1 fp8 & tests 0 cuda-tests.log "${CODEC_TESTS[@]}" & wait ;;
+    *) echo "unknown step $1 (1, 2, 3 or 4)" >&2; exit 2 ;;
 esac
