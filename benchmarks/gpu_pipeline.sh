@@ -23,6 +23,8 @@
 # At 7d0b029 on an H100 the bf16 calls took 359 s (verify) and 438 s (levels to 32). Tuning the GEMV
 # at 1 and 4 rows took 149 s of bf16's build (359 blocks) and 77 s of FP8's (655) in H100 run 19;
 # tuning at 2 rows too adds ~155 and ~200 blocks (~+64 s bf16, ~+24 s FP8).
+# MOSSBUILD_CONFIGFILE=<yaml> is read after config/full.yaml, its keys merged over it (a GPU's own
+# settings, e.g. more flow slots where memory allows: benchmark.codec.slots and benchmark.load.slots).
 # benchmark.json's `sections_s` says where a benchmark call's time went (eager baseline, engine, codec, load).
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
 # (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).
@@ -47,8 +49,9 @@ if [ -n "${MOSSBUILD_GPU:-}" ]; then
     pin=(taskset -c "$(( MOSSBUILD_GPU * half ))-$(( MOSSBUILD_GPU * half + half - 1 ))") lock=(--nolock)
 fi
 # a call the device tool killed leaves Snakemake's lock behind: the next call lifts it first
-run() { [ -n "${lock[*]}" ] || python3 -m snakemake --configfile config/full.yaml "$@" --unlock > /dev/null 2>&1 || true
-        timeout "${MOSSBUILD_STAGE_S:-560}" "${pin[@]}" python3 -m snakemake -c8 --configfile config/full.yaml "${lock[@]}" "$@" \
+configs=(config/full.yaml ${MOSSBUILD_CONFIGFILE:-})
+run() { [ -n "${lock[*]}" ] || python3 -m snakemake --configfile "${configs[@]}" "$@" --unlock > /dev/null 2>&1 || true
+        timeout "${MOSSBUILD_STAGE_S:-560}" "${pin[@]}" python3 -m snakemake -c8 --configfile "${configs[@]}" "${lock[@]}" "$@" \
             || echo "snakemake exit $?"; }
 case $precision in
     bf16) args=() ;;
