@@ -73,12 +73,14 @@ def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engi
     assert row["ours", "later"]["solved_frames"] == row["baseline", "later"]["solved_frames"] == 4 * 35
     assert all(r[k] > 0 for r in out["calls"] for k in r if k.endswith("_ms"))
     assert out["first_codes"] == 8 and set(reached) == {8} and out["ttfa_ms"]["n"] == 1
-    slots = measure(CodecTiming(batches=(1, 3), repeat=1, slots=2, baseline=False, flow_cache=False), torch.device("cpu"))
-    got = {(r["variant"], r["call"], r["batch"]): r for r in slots["calls"]}
+    t = CodecTiming(batches=(1, 3), repeat=1, slots=2, baseline=False, flow_cache=False, held=3)
+    got = {(r["variant"], r["call"], r["batch"]): r for r in measure(t, torch.device("cpu"))["calls"]}
     assert set(got) == {
         (v, c, b) for v in ("ours", "ours, slots") for c in ("first", "later") for b in (1, 3) if b <= 2 or v == "ours"
-    }
+    } | {("ours, slots", "later, 3 held", 1)}  # three chunks a row in one call, as serving's held chunks
     assert got["ours, slots", "first", 1]["solved_frames"] == 40 and got["ours, slots", "later", 1]["solved_frames"] == 20
+    held, later = got["ours, slots", "later, 3 held", 1], got["ours, slots", "later", 1]
+    assert held["solved_frames"] == 60 and held["frames"] == later["frames"] and held["solve_ms"] > 0
 
 
 def test_codec_settings_name_what_is_wrong():

@@ -24,7 +24,9 @@ Three ways to run it, on the same weights (random, of the preset's shape, or the
   true shape in bf16, twice that while a call copies it;
 - `slots` > 0 ("ours, slots"): the call as serving runs it (slots.py): each stream in its flow slot,
   solving only its new frames (as many as serving's calls: `CodecBatch.new_frames`), with the slots'
-  kernels where `kernels` is on; at the batches up to `slots` (serving holds no more streams in slots).
+  kernels where `kernels` is on; at the batches up to `slots` (serving holds no more streams in slots);
+  with `held` > 1 also "later, N held": N chunks a row solved in one call, as serving's held chunks are
+  (`CodecBatch.later_frames`); its HiFT is one chunk's, where serving runs one a chunk.
 
 `ttfa_ms`: one stream end to end at batch 1, the engine's prefill and decode steps to the first
 chunk's codes, then that chunk's decode as the benchmark's stream runs it (in a slot if `slots`):
@@ -72,6 +74,7 @@ class CodecTiming:
     compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
     kernels: bool = True  # CUDA only: the flow slots' transformer blocks as Triton kernels (kernels.py)
     slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
+    held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
 
     @classmethod
     def from_dict(cls, d: dict) -> CodecTiming:
@@ -276,6 +279,13 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         return Runner(dec, batch, calls[call], t.prompt_codes, use_graphs, cached[call] if variant == "ours, flow cache" else 0)
 
     rows = []
+
+    def timed(variant: str, call: str, batch: int, body: int, run: Runner) -> None:
+        row = {"variant": variant, "call": call, "batch": batch, "codes": body + la, "frames": run.frames}
+        row |= {"solved_frames": run.frames - run.start, "past_mib": run.past_bytes() / 2**20}
+        rows.append(row | stage_ms(run, device, t.repeat))
+        close(run)
+
     variants = [("ours", ours, t.batches, graphs)]
     variants += [("ours, flow cache", ours, t.batches, graphs)] if t.flow_cache else []
     variants += [("ours, slots", ours, tuple(b for b in t.batches if b <= t.slots), graphs)] if t.slots else []
@@ -283,12 +293,13 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     for variant, dec, batches, use_graphs in variants:
         for call, body in calls.items():
             for batch in batches:
-                run = runner(variant, dec, batch, call, use_graphs)
-                row = {"variant": variant, "call": call, "batch": batch, "codes": body + la, "frames": run.frames}
-                row |= {"solved_frames": run.frames - run.start, "past_mib": run.past_bytes() / 2**20}
-                rows.append(row | stage_ms(run, device, t.repeat))
-                close(run)
-                del run
+                timed(variant, call, batch, body, runner(variant, dec, batch, call, use_graphs))
+    if t.slots and t.held > 1:  # a held batch's call: its chunks' frames in one round, as CodecBatch solves them
+        held = t.held * cf
+        for batch in (b for b in t.batches if b <= t.slots):
+            slotted = SlotRunner(ours, voice, batch, calls["later"], graphs, max(new, held), cached["later"] - held + cf)
+            timed("ours, slots", f"later, {t.held} held", batch, calls["later"], slotted)
+            del slotted  # its graphs go now, not inside another's capture (close)
     out = {
         "config": asdict(t),
         "weights": t.weights or "random",
