@@ -248,12 +248,16 @@ def test_blocks_stored_as_ints_by_earlier_builds_still_load(tmp_path):
 
 def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
     """Tuning keeps a block per row count (blocks.ROWS); a call of m rows takes the block of the
-    first count >= m, the default where none was tuned. engine.json of builds that tuned one row
-    only (keys without rows) reads as one row's: their calls of more rows take the default."""
+    fewest tuned rows >= m (an engine built with other ROWS, its own), the default where none was
+    tuned. engine.json of builds that tuned one row only (keys without rows) reads as one row's:
+    their calls of more rows take the default."""
     from workflow.engines.linears import Linear, project
 
     assert blocks.ROWS == (1, 2, gemv.MAX_M) == (1, 2, 4)
-    assert [blocks.rows_bucket(m) for m in range(1, gemv.MAX_M + 1)] == [1, 2, 4, 4]
+    a, b, c = (tile(n, 64) for n in (2, 4, 8))
+    assert [blocks.block_for({1: a, 2: b, 4: c}, m) for m in range(1, gemv.MAX_M + 1)] == [a, b, c, c]
+    assert [blocks.block_for({1: a, 4: c}, m) for m in range(1, gemv.MAX_M + 1)] == [a, c, c, c]  # built with (1, 4)
+    assert [blocks.block_for(found, 2) for found in ({1: a}, {}, None)] == [None, None, None]
     w, g = torch.randn(24, 64) / 8, torch.rand(64) + 0.5
     one, two, four = tile(8, 64), tile(2, 64), tile(4, 32, 8)
     launched = []

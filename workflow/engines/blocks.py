@@ -26,12 +26,13 @@ class Fuse(enum.Flag):
     GLU = enum.auto()  # epilogue: w = [gate; up] -> silu(x @ gate^T) * (x @ up^T)
 
 
-ROWS = (1, 2, 4)  # the row counts tuned: a call of m rows takes the block of the first count >= m
+ROWS = (1, 2, 4)  # the row counts tuned: a call of m rows takes the block of the fewest >= m (block_for)
 
 
-def rows_bucket(m: int) -> int:
-    """The tuned row count whose block a call of m (<= ROWS[-1]) rows takes."""
-    return next(r for r in ROWS if r >= m)
+def block_for(found: dict[int, Block] | None, m: int) -> Block | None:
+    """The block a call of m rows takes: that of the fewest tuned rows >= m, among those an engine
+    has (one built with other ROWS keeps its own); None: none fits (gemv.default_block)."""
+    return next((found[r] for r in sorted(found or {}) if r >= m), None)
 
 
 class Use(NamedTuple):

@@ -19,7 +19,7 @@ from torch import nn
 
 from workflow import fp8
 from workflow.engines import gemv
-from workflow.engines.blocks import Block, rows_bucket
+from workflow.engines.blocks import Block, block_for
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,7 +93,7 @@ def project(
     unless x arrives quantized (float8: dense's input, from decode attention). glu (fused bf16
     or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
     if gemv_path(x, fused):
-        block = (lin.blocks or {}).get(rows_bucket(x.numel() // x.shape[-1]))
+        block = block_for(lin.blocks, x.numel() // x.shape[-1])
         if lin.a_scale is None:
             return gemv.gemv(x, lin.weight, x.dtype, block, norm=norm, eps=eps, residual=residual, silu_mul=silu_mul, glu=glu)
         if glu:
