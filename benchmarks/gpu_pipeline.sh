@@ -61,7 +61,7 @@ esac
 run "${args[@]}" ${until:+--until "$until"}
 cd results  # the small artifacts, in one archive: the device tool returns a few files only
 stage_dir=$(mktemp -d)
-find . \( -name '*.tsv' -o -name 'verify*.json' -o -name 'benchmark.json' -o -name 'benchmark.md' -o -name '*.png' \
+find . \( -name '*.tsv' -o -name 'verify*.json' -o -name 'benchmark*.json' -o -name 'benchmark.md' -o -name '*.png' \
     -o -name engine.json -o -name amax.json -o -name quant_summary.txt \) -not -path '*/checkpoint/*' \
     -not -path '*/dataset/*' -exec cp --parents {} "$stage_dir/" \;
 for log in $(find . -name '*.log'); do mkdir -p "$stage_dir/$(dirname "$log")"; tail -c 20000 "$log" > "$stage_dir/$log.tail"; done

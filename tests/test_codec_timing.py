@@ -2,11 +2,14 @@
 call position, variant and batch it was asked for."""
 
 import gc
+import json
 import weakref
 
+import jsonschema
 import pytest
 import torch
 
+from workflow.benchmark import SCHEMA
 from workflow.codec.solver import solve
 from workflow.codec.timing import CodecTiming, Runner, SlotRunner, decoders, measure, voice_of
 
@@ -74,13 +77,17 @@ def test_every_call_variant_and_batch_is_timed_and_first_audio_includes_the_engi
     assert all(r[k] > 0 for r in out["calls"] for k in r if k.endswith("_ms"))
     assert out["first_codes"] == 8 and set(reached) == {8} and out["ttfa_ms"]["n"] == 1
     t = CodecTiming(batches=(1, 3), repeat=1, slots=2, baseline=False, flow_cache=False, held=3)
-    got = {(r["variant"], r["call"], r["batch"]): r for r in measure(t, torch.device("cpu"))["calls"]}
+    held_out = measure(t, torch.device("cpu"))
+    got = {(r["variant"], r["call"], r["batch"]): r for r in held_out["calls"]}
     assert set(got) == {
         (v, c, b) for v in ("ours", "ours, slots") for c in ("first", "later") for b in (1, 3) if b <= 2 or v == "ours"
     } | {("ours, slots", "later, 3 held", 1)}  # three chunks a row in one call, as serving's held chunks
     assert got["ours, slots", "first", 1]["solved_frames"] == 40 and got["ours, slots", "later", 1]["solved_frames"] == 20
     held, later = got["ours, slots", "later, 3 held", 1], got["ours, slots", "later", 1]
     assert held["solved_frames"] == 60 and held["frames"] == later["frames"] and held["solve_ms"] > 0
+    codec_schema = json.loads(SCHEMA.read_text())["properties"]["codec"]  # what benchmark.json holds of them
+    for section in (out, held_out):
+        jsonschema.validate(section, codec_schema)
 
 
 def test_codec_settings_name_what_is_wrong():

@@ -144,9 +144,9 @@ def test_whole_chain_passes_verify_and_benchmarks(chain):
     assert (variant / "benchmark" / "benchmark.md").read_text().startswith("# Streaming benchmark")
 
 
-def test_benchmark_json_keeps_its_schema_and_plots(chain):
+def test_benchmark_json_keeps_its_schema_and_plots(chain, tmp_path):
     from workflow import report
-    from workflow.benchmark import SCHEMA
+    from workflow.benchmark import SCHEMA, write_outputs
     from workflow.errors import InputError
 
     out = chain.workdir / "results" / "tiny" / "torch-bf16" / "benchmark"
@@ -180,9 +180,16 @@ def test_benchmark_json_keeps_its_schema_and_plots(chain):
     assert "Wall time of this run's parts: eager_baseline " in (out / "benchmark.md").read_text()
     for png in ("timeline.png", "latency_cdf.png", "concurrency.png", "load.png", "load_timeline.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    del bench["summary"]["rtf"]
+    rtf = bench["summary"].pop("rtf")
     with pytest.raises(InputError, match=r"summary.*'rtf' is a required property"):
         report.check_schema(bench, SCHEMA)
+    # a refused run keeps its figures beside the output, which is not made; a later pass removes them
+    again, failed = tmp_path / "benchmark", tmp_path / "benchmark.failed.json"
+    with pytest.raises(InputError, match=r"benchmark.failed.json: breaks .* 'rtf' is a required property .* in this file"):
+        write_outputs(bench, again)
+    assert json.loads(failed.read_text()) == bench and not again.exists()
+    write_outputs(bench | {"summary": bench["summary"] | {"rtf": rtf}}, again)
+    assert not failed.exists() and json.loads((again / "benchmark.json").read_text())["summary"]["rtf"] == rtf
 
 
 def test_up_to_date_workflow_does_nothing_in_under_3_s(chain, capsys):

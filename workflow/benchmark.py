@@ -35,7 +35,7 @@ from workflow.detokenize import Batched, Lanes, Speech, StandIn, overlaps
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
 from workflow.engines.slots import batch_bucket
-from workflow.errors import run_main
+from workflow.errors import InputError, run_main
 from workflow.generate import Ids, Sampling
 from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, ReferenceEngine
@@ -360,12 +360,25 @@ def main(argv: list[str] | None = None) -> None:
         "commit": commit(),
         "config": json.loads(args.config_json),
     }
-    report.check_schema(b, SCHEMA)
-    with artifacts.atomic_dir(args.out) as tmp:
+    write_outputs(b, args.out)
+    print(report.markdown(b))
+
+
+def write_outputs(b: dict, out: Path) -> None:
+    """benchmark.json, .md and the plots in `out`, once b keeps its schema. Otherwise every figure
+    goes to <out>.failed.json, so that minutes of GPU time are not lost to a schema slip, and the
+    rule fails; a later pass removes that file."""
+    failed = out.with_name(out.name + ".failed.json")
+    try:
+        report.check_schema(b, SCHEMA)
+    except InputError as e:
+        artifacts.write_json(failed, b)
+        raise InputError(failed, f"{e.problem} (every figure of the run is in this file)") from None
+    with artifacts.atomic_dir(out) as tmp:
         (tmp / "benchmark.json").write_text(json.dumps(b, indent=2) + "\n")
         (tmp / "benchmark.md").write_text(report.markdown(b))
         report.plots(b, tmp)
-    print(report.markdown(b))
+    failed.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
