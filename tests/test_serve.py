@@ -15,7 +15,7 @@ from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, greedy_reference
 from workflow.serve import load
 from workflow.serve.scheduler import Request, Scheduler, ServeConfig
-from workflow.spec import load_spec
+from workflow.spec import PRESETS, load_spec
 
 GREEDY = ServeConfig(chunk_tokens=3, prefill_tokens=64, hold_speech=False, sampling=Sampling(greedy=True))
 
@@ -487,10 +487,11 @@ def test_the_search_keeps_the_largest_level_that_held_and_searches_above_it():
 def test_the_load_benchmark_searches_past_its_levels(monkeypatch):
     """load.run with search_step: the given levels, then searched ones (marked), each run as any
     level, until streams at the SLO is pinned; the answer is the largest level that held."""
-    ran = []
+    ran, drawn = [], {}
 
     def level(engine, detokenize, clock, lv, chunk_tokens, sampling):
         ran.append(lv.value)
+        drawn.setdefault(lv.value, []).append((lv.first_arrivals(), lv.new_request(0.0).reply_codes))
         p99 = 150.0 if lv.value <= 21 else 250.0  # 21 users hold the 200 ms SLO, 22 do not
         return {"kind": lv.kind, "value": lv.value, "ttfa_ms": {"p99": p99}, "underruns": 0, "failed": 0,
                 "tokens_per_s": 1.0, "busy_fraction": 0.5}, []  # fmt: skip
@@ -498,6 +499,9 @@ def test_the_load_benchmark_searches_past_its_levels(monkeypatch):
     monkeypatch.setattr(load, "run_level", level)
     monkeypatch.setattr(load, "prepare", lambda *a: {})
     cfg = load.LoadConfig(closed=(4, 8), search_step=4, search_max=64)
-    out = load.run(None, None, lambda: 0.0, cfg, None, 5, Sampling())
+    out = load.run(None, None, lambda: 0.0, cfg, Ids.of(PRESETS["tiny"]), 5, Sampling())
     assert ran == [4, 8, 16, 32, 24, 20] and out["streams_at_slo"] == 20
     assert [lv["searched"] for lv in out["levels"]] == [False, False, True, True, True, True]
+    # a level's traffic is its own: 24 users draw the same arrivals and replies given first or searched
+    load.run(None, None, lambda: 0.0, load.LoadConfig(closed=(24,)), Ids.of(PRESETS["tiny"]), 5, Sampling())
+    assert drawn[24][0] == drawn[24][1] and drawn[16][0] != drawn[24][0][:16]

@@ -155,6 +155,13 @@ class Level:
         return [float(t) for t in times if t < self.cfg.duration_s]
 
 
+def level_seed(seed: int, kind: str, value: float) -> int:
+    """A level's traffic seed, from what it offers and not from its place in the run: the same
+    level draws the same arrivals and replies whichever levels ran before it (the search's order
+    depends on what held), so levels compare across runs and configs."""
+    return seed + round(1000 * value) + (1 << 24 if kind == "open" else 0)
+
+
 def run_level(
     engine: Engine,
     detokenize: Detokenize | None,
@@ -290,7 +297,7 @@ def run(
     def one(kind: str, value: float, searched: bool = False) -> dict:
         """Runs a level and records it; its result."""
         nonlocal example
-        g = torch.Generator().manual_seed(cfg.seed + len(levels))
+        g = torch.Generator().manual_seed(level_seed(cfg.seed, kind, value))
         result, done = run_level(engine, detokenize, clock, Level(cfg, kind, value, ids, g), chunk_tokens, sampling)
         levels.append(result | {"searched": searched})
         print(
