@@ -8,6 +8,9 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | the codec's CUDA tests
 #
+# On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (16 flow slots: they do not fit an H100, so
+# ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card).
+#
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
 # A precision's benchmark never runs beside the other's: in call 3 FP8 builds and verifies on its own GPU

@@ -178,6 +178,8 @@ def test_benchmark_json_keeps_its_schema_and_plots(chain, tmp_path):
     parts = bench["sections_s"]
     assert list(parts) == ["eager_baseline", "engine", "codec", "load"] and all(s > 0 for s in parts.values())
     assert "Wall time of this run's parts: eager_baseline " in (out / "benchmark.md").read_text()
+    # serving's held chunks (load.detokenize_hold: 3) timed as one call, in the schema (checked above)
+    assert ("ours, slots", "later, 3 held") in {(r["variant"], r["call"]) for r in bench["codec"]["calls"]}
     for png in ("timeline.png", "latency_cdf.png", "concurrency.png", "load.png", "load_timeline.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     rtf = bench["summary"].pop("rtf")
