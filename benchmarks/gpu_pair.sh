@@ -3,13 +3,13 @@
 # and FP8 on GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in four calls
 # of under 10 minutes, run from the repository root with .whl carried:
 #
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | the GEMV's CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | the GEMV's and flow slots' CUDA tests
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 build, verify | FP8 calibrate
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | the codec's CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | the rest of the codec's CUDA tests
 #
-# On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (16 flow slots: they do not fit an H100, so
-# ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card).
+# On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (24 flow slots, 360 s of pages: they do not fit
+# an H100, so ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card).
 #
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
@@ -20,11 +20,12 @@
 # the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Each side's output is in
 # $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
-# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's
-# first, beside convert, since the builds that follow tune it
-GEMV_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch)
-CODEC_TESTS=(tests/test_codec_batch.py tests/test_codec_slots.py tests/test_codec_kernels.py tests/test_codec_stream.py
-             tests/test_codec_timing.py tests/test_codec_fast.py)
+# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's and
+# the flow slots' first, beside convert (the builds that follow tune the GEMV; serving's benchmark leans on
+# the slots' pools and graphs), the rest of the codec's last
+FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
+             tests/test_codec_slots.py tests/test_codec_batch.py)
+CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py)
 side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
         MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
 both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
@@ -34,7 +35,7 @@ tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tm
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
 case ${1:?step 1, 2, 3 or 4} in
-    1) tests 1 gemv-tests.log "${GEMV_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
+    1) tests 1 first-tests.log "${FIRST_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
     2) both "bf16 verify" "fp8 calibrate" ;;
     3) both "bf16" "fp8 verify" ;;
     4) side 1 fp8 & tests 0 cuda-tests.log "${CODEC_TESTS[@]}" & wait ;;

@@ -40,7 +40,7 @@ export PYTHONPATH=/tmp/site
 : "${MOSSBUILD_COMMIT:?set MOSSBUILD_COMMIT: the GPU copy has no .git}"
 export MOSSBUILD_COMMIT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# config/h200.yaml's 16 flow slots do not fit an 80 GB card (16 ran out on an H100): refused there at once
+# config/h200.yaml's flow slots and pages do not fit an 80 GB card (16 whole slots ran out on an H100): refused there
 if [[ "${MOSSBUILD_CONFIGFILE:-}" == *h200* ]] \
     && [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 120000 ]; then
     echo "$MOSSBUILD_CONFIGFILE needs an H200's 141 GB: this GPU has less (run without it, or on H200s)" >&2; exit 2

@@ -13,8 +13,9 @@ import pytest
 import torch
 from codec_alone import ATOL_PCM, SPC, TINY, alone, in_steps, voice_of
 
-from workflow.codec.batch import CodecBatch, CodecLanes
+from workflow.codec.batch import CodecBatch
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
+from workflow.codec.lanes import CodecLanes
 from workflow.detokenize import Piece
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling

@@ -43,13 +43,15 @@ def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
     batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1, pad_frames=16, slots=3, max_codes=40)
     assert batch.slots is None and batch.flow_slots().base == 20  # made at the first call
-    reused = []  # after a step: whether stream 5 holds a slot while two others have ended
+    reused, scattered = [], []  # after a step: stream 5 in a slot two others freed; a slot's pages not in a row
 
     def after(ended: set[int]) -> None:
         reused.append(5 in batch.slot_of and len(ended - {5}) >= 2)
+        scattered.append(any(t != list(range(t[0], t[0] + len(t))) for t in batch.slots.table if t))
 
     got = in_steps(batch, codes, joins, chunk, after)
     assert any(reused) and not batch.streams and not batch.slot_of and sorted(batch.slots.free) == [0, 1, 2]
+    assert any(scattered) and sorted(batch.slots.free_pages) == list(range(batch.pages))  # every page back
     assert batch.slots.nbytes() == FlowSlots.size(decoder, 3, batch.slot_frames)
     for k, n in lengths.items():
         mine, own = got[k], alone(decoder, voice, k, codes[k], chunk)
@@ -79,6 +81,33 @@ def test_streams_past_the_slots_re_run_every_frame_beside_the_slotted_ones(decod
 
     got = in_steps(batch, codes, joins, 5, after)
     assert any(mixed) and not batch.streams and batch.slots.free == [0]
+    for k, n in lengths.items():
+        own = alone(decoder, voice, k, codes[k], 5)
+        assert got[k].shape == own.shape == (n * SPC,) and (got[k] - own).abs().max() <= ATOL_PCM, k
+
+
+def test_a_pool_of_fewer_pages_holds_streams_as_they_grow_and_one_that_cannot_grow_re_runs(decoder, voice):
+    """Pages for 80 codes' frames (8 pages of 40) on three slots of up to 40 codes (7 pages each): the
+    streams take pages as their frames grow, so three fit where their longest replies would not; when
+    the pages run out a stream that cannot grow gives its slot back and re-runs every frame. Each
+    stream's PCM is its own alone, whole. `holds` says which replies fit at once, by their most pages."""
+    g = torch.Generator().manual_seed(6)
+    lengths, joins = {1: 23, 2: 31, 3: 12}, {1: 0, 2: 1, 3: 2}
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    batch = CodecBatch(decoder, voice, slots=3, max_codes=40, pool_codes=80)
+    assert batch.pages == 8 and batch.slots is None
+    assert [-(-batch.frames_for(n) // 40) for n in (12, 23, 31, 40)] == [4, 6, 6, 7]
+    assert batch.holds([12, 12]) and not batch.holds([23, 12]) and not batch.holds([1, 1, 1, 1])  # 8 pages; 3 slots
+    assert batch.holds([80]) == batch.holds([40])  # a reply past max_codes gives its slot back: 7 pages at most
+    slotted, starved = [], []
+
+    def after(ended: set[int]) -> None:
+        slotted.append(len(batch.slot_of))
+        starved.append(any(k not in batch.slot_of for k in batch.streams) and bool(batch.slots.free))
+
+    got = in_steps(batch, codes, joins, 5, after)
+    assert max(slotted) == 3 and any(starved) and batch.slots.nbytes() == FlowSlots.size(decoder, 3, batch.slot_frames, 8)
+    assert sorted(batch.slots.free_pages) == list(range(8)) and sorted(batch.slots.free) == [0, 1, 2]
     for k, n in lengths.items():
         own = alone(decoder, voice, k, codes[k], 5)
         assert got[k].shape == own.shape == (n * SPC,) and (got[k] - own).abs().max() <= ATOL_PCM, k
@@ -215,6 +244,13 @@ def test_slots_refuse_what_they_cannot_hold(decoder, voice):
         slots.take()
     with pytest.raises(ValueError, match="does not fit"):
         slots.index([0], [60], [80], 20, 80)
+    paged = FlowSlots(decoder, voice, slots=2, frames=120, pages=2)  # 80 frames for both
+    a, b = paged.take(), paged.take()
+    assert paged.grow(a, 41) and paged.table[a] == [0, 1] and not paged.grow(b, 1) and not paged.grow(a, 121)
+    with pytest.raises(ValueError, match=r"does not fit: .* 0 of 2 pages free"):
+        paged.index([b], [20], [40], 20, 40)
+    paged.release(a)
+    assert paged.grow(b, 1) and paged.table == [[], [0]] and sorted(paged.free_pages) == [1]
     with pytest.raises(ValueError, match="at least one slot"):
         FlowSlots(decoder, voice, slots=0, frames=30)
 

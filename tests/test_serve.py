@@ -388,6 +388,49 @@ def test_no_more_streams_open_than_the_detokenizer_serves(tiny_engine_dir, detok
     assert all(r.error is None and r.stamped and sum(r.chunk_codes) == 10 for r in reqs)
 
 
+def test_streams_open_only_while_the_detokenizer_holds_their_replies(tiny_engine_dir):
+    """With a detokenizer that `holds` only so many codes of replies at once (the codec decoder's flow
+    pages, `CodecBatch.holds`), a request waits until the open streams' and its own fit, however many
+    slots are free; a reply it could never hold is refused with a reason, and so, with when_full:
+    refuse, is one that does not fit now. The others are all served."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    reqs = [
+        Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=n, reply_codes=n)
+        for i, n in enumerate([10, 8, 12, 6, 9])
+    ]
+    steps = {r.rid: r.max_steps for r in reqs}
+
+    class Detokenizer:
+        def __init__(self) -> None:
+            self.open, self.most = set(), 0
+
+        def holds(self, codes: list[int]) -> bool:
+            return sum(codes) <= 20
+
+        def __call__(self, pieces, urgent):
+            for p in pieces:
+                (self.open.discard if p.last else self.open.add)(p.stream)
+            self.most = max(self.most, sum(steps[k] for k in self.open))
+            return (lambda wait: 1.0 if wait else None), [len(p.codes) for p in pieces]
+
+    detok = Detokenizer()
+    sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, detokenize_batches=1, sampling=Sampling(greedy=True)), detok)
+    huge = Request(9, traffic.speech_prompt(1, 20, ids, seed=9)[0], max_steps=21, reply_codes=21)
+    assert [sched.submit(r) for r in [*reqs, huge]] == [True] * 5 + [False]
+    assert huge.error == "refused: a reply of 21 codes is more than the detokenizer's flow slots hold"
+    most = 0
+    while not sched.idle():
+        sched.iterate()
+        most = max(most, sum(r.max_steps for r in sched.streams.values()))
+    sched.flush()
+    assert most <= 20 and detok.most <= 20 and not detok.open  # 10 + 8 first; 12 waited for 8 codes to free
+    assert all(r.error is None and r.stamped and sum(r.chunk_codes) == r.max_steps for r in reqs)
+    refusing = Scheduler(engine, ids, ServeConfig(when_full="refuse", sampling=Sampling(greedy=True)), Detokenizer())
+    assert [refusing.submit(r) for r in reqs[:3]] == [True, True, False]  # 10 + 8 fit, 12 more does not
+    assert reqs[2].error == "refused: the detokenizer's flow slots hold no more replies now"
+
+
 def test_serving_detokenizer_batches_chunks_by_frame_count():
     """One vocoder call per mel length, the batch padded to its bucket; each chunk's mel at its
     own offset (the CPU: in line, stamped by the clock after it)."""

@@ -28,7 +28,8 @@ import torch
 
 from workflow import artifacts, report, roofline, traffic
 from workflow.codec import timing as codec_timing
-from workflow.codec.batch import CodecBatch, CodecLanes, CodecSpeech
+from workflow.codec.batch import CodecBatch, CodecSpeech
+from workflow.codec.lanes import CodecLanes
 from workflow.codec.slots import FlowSlots
 from workflow.codec.timing import CodecTiming
 from workflow.detokenize import Batched, Lanes, Speech, StandIn, overlaps
@@ -208,10 +209,12 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
             slots=t.slots, max_codes=max(p["num_tokens"], serving.longest_codes if serving else 0), later_frames=held,
+            pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN),
         )  # fmt: skip
-        slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames) if t.slots else 0
+        slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames, batch.pages) if t.slots else 0
+        pool = f", pages for {t.pool_seconds:g} s of audio in all" if t.pool_seconds else ""
         cached = (
-            f"each call solves only its new frames against its stream's flow slot ({t.slots} slots, "
+            f"each call solves only its new frames against its stream's flow slot ({t.slots} slots{pool}, "
             f"{slot_bytes / 2**30:.1f} GiB; streams past them re-run every frame)"
             if t.slots
             else "every flow call re-runs the front end and the ODE over all frames so far"
@@ -227,6 +230,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             "compiled": decoder.compiled,
             "kernels": decoder.kernels,
             "slots": t.slots,
+            "pool_seconds": t.pool_seconds,
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
             f"{t.dtype}; HiFT float32, a {decoder.cfg.solver.steps}-step ODE): {cached}; "

@@ -1,6 +1,6 @@
 """The detokenizer stage of a stream, two ways: in line with decoding, or overlapped with it on
 a second CUDA stream; and serving's (`Lanes`: the stand-in's `Batched`, the codec decoder's
-`codec.batch.CodecLanes`), chunks of many streams at once.
+`codec.lanes.CodecLanes`), chunks of many streams at once.
 
 A request's chunks go through a `Speech`, in two timed stages: codes -> mel, then mel -> the PCM
 that became final. `StandIn` gives each chunk of K codes exactly K x 80 ms (a code->mel table, then a

@@ -1,5 +1,5 @@
-"""Many streams through the codec decoder at once: serving's detokenizer (`CodecLanes`) and a
-request of B rows (`CodecSpeech`), both on `CodecBatch`.
+"""Many streams through the codec decoder at once: `CodecBatch`, under serving's detokenizer
+(lanes.py) and a request of B rows (`CodecSpeech`).
 
 Each stream is a `CodecStream` (stream.py) in one voice. With `slots` (slots.py: the flow cache in
 fixed buffers, ~2.3 MB a frame a stream at the true shape) a stream holds a slot while it speaks and
@@ -25,7 +25,6 @@ arithmetic (tests/test_codec_batch.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
@@ -34,10 +33,10 @@ from torch import Tensor
 
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.hift import DEFAULT_SEED
-from workflow.codec.slots import FlowSlots
+from workflow.codec.slots import PAGE, FlowSlots
 from workflow.codec.stream import CodecStream, FlowCall, first_hop
 from workflow.cudagraphs import Graphs
-from workflow.detokenize import Clock, Lanes, Piece
+from workflow.detokenize import Piece
 from workflow.engines.base import to_device
 
 KEYS = 1 << 40  # new_key's first key, above any request id
@@ -50,6 +49,7 @@ class CodecBatch:
     def __init__(
         self, decoder: CodecDecoder, voice: VoicePrompt, bucket: Callable[[int], int] = lambda n: n,
         pad_frames: int = 0, graphs: bool = False, slots: int = 0, max_codes: int = 0, later_frames: int = 0,
+        pool_codes: int = 0,
     ):  # fmt: skip
         """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
         shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
@@ -58,7 +58,9 @@ class CodecBatch:
         it, and re-runs every frame from there): a call solves only its new frames, up to `new_frames` a
         row (the first call's), or where a stream's waiting chunks need more, `later_frames` (rounded up
         to whole chunks): a solve costs nearly the same for one chunk as for three (levers.md, "H100 codec
-        11"), so serving's held chunks go as one round, not one per `new_frames`."""
+        11"), so serving's held chunks go as one round, not one per `new_frames`. pool_codes: the codes'
+        frames the slots' pages hold in all (0: every slot its `max_codes`; fewer: more slots in the same
+        memory, streams taking pages as they grow)."""
         if pad_frames % decoder.stride:
             raise ValueError(f"pad_frames must be a multiple of {decoder.stride} frames (a code's), got {pad_frames}")
         self.decoder, self.voice, self.bucket, self.pad_frames = decoder, voice.to(decoder.device), bucket, pad_frames
@@ -66,7 +68,7 @@ class CodecBatch:
         self.streams: dict[int, CodecStream] = {}
         self.keys = KEYS  # the last key handed out by new_key
         self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
-        self.slot_count, self.slot_frames = slots, 0
+        self.slot_count, self.slot_frames, self.base, self.pages = slots, 0, 0, 0
         self.frames_a_call: tuple[int, ...] = ()  # with slots: the frames a row a solve takes, fewest first
         self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
         self.slot_of: dict[int, int] = {}  # each stream's slot
@@ -77,13 +79,28 @@ class CodecBatch:
             self.new_frames = -(-((len(self.prompt) + self.first_codes) * stride - base) // cf) * cf
             later = -(-later_frames // cf) * cf
             self.frames_a_call = (self.new_frames, *([later] if later > self.new_frames else []))  # the solve's shapes
-            self.slot_frames = (len(self.prompt) + max_codes + self.first_codes) * stride - base + self.frames_a_call[-1]
+            self.base = base
+            self.slot_frames = self.frames_for(max_codes)
+            self.pages = -(-pool_codes * stride // PAGE) if pool_codes else slots * -(-self.slot_frames // PAGE)
 
     def flow_slots(self) -> FlowSlots:
         """The slots (made at the first call)."""
         if self.slots is None:
-            self.slots = FlowSlots(self.decoder, self.voice, self.slot_count, self.slot_frames)
+            self.slots = FlowSlots(self.decoder, self.voice, self.slot_count, self.slot_frames, self.pages)
         return self.slots
+
+    def frames_for(self, codes: int) -> int:
+        """The most frames a stream of `codes` codes holds in its slot (its last call's padding included)."""
+        return (len(self.prompt) + codes + self.first_codes) * self.decoder.stride - self.base + self.frames_a_call[-1]
+
+    def holds(self, codes: list[int]) -> bool:
+        """Whether streams of these many codes each fit the flow slots at once: a slot each, and the
+        pages their frames need at the most (serving admits by it: a stream that could not grow would
+        re-run every frame)."""
+        if not self.slot_count:
+            return True
+        pages = sum(-(-min(self.frames_for(c), self.slot_frames) // PAGE) for c in codes)
+        return len(codes) <= self.slot_count and pages <= self.pages
 
     def release(self) -> None:
         """Give the slots' memory back while no stream speaks (the benchmark does, before it times the
@@ -126,7 +143,7 @@ class CodecBatch:
         due = [(self.stream(p.stream), p) for p in pieces]
         calls = [s.calls(p.codes, p.last) for s, p in due]
         for p, cs in zip(pieces, calls, strict=True):
-            if cs and p.stream in self.slot_of and self._outgrows(cs[-1]):
+            if cs and p.stream in self.slot_of and not self._grows(p.stream, cs[-1]):
                 self._unslot(p.stream)  # from here on it re-runs every frame
         first, seen = [], {}  # each piece's first call's round (HiFT's): after its stream's earlier pieces' calls
         for p, c in zip(pieces, calls, strict=True):
@@ -151,11 +168,12 @@ class CodecBatch:
                 self.end(p.stream)
         return [(s, m, p.last, f) for (s, p), m, f in zip(due, mels, first, strict=True)]
 
-    def _outgrows(self, call: FlowCall) -> bool:
-        """Whether a call ends past what a slot holds (a reply longer than `max_codes`)."""
+    def _grows(self, key: int, call: FlowCall) -> bool:
+        """Whether the stream's slot holds the call's frames, taking pages for them: not past a slot's
+        frames (a reply longer than `max_codes`) or the free pages."""
         la = 0 if call.finalize else self.decoder.cfg.encoder.lookahead
         end = (len(self.prompt) + len(call.codes) - la) * self.decoder.stride
-        return end - self.flow_slots().base + self.frames_a_call[-1] > self.flow_slots().frames
+        return self.flow_slots().grow(self.slot_of[key], end - self.base + self.frames_a_call[-1])
 
     def _unslot(self, key: int) -> None:
         """A stream gives its slot back and goes on without one."""
@@ -206,7 +224,7 @@ class CodecBatch:
     def mel(self, calls: list[FlowCall], finalize: bool, keys: list[int] | None = None, solve: int = 0) -> list[Tensor]:
         """The new frames [mels, n] of streaming calls, all final or none (the same lookahead), of the
         streams `keys`: in their slots if they have them, else re-running every frame. keys None: calls
-        of no stream (`CodecLanes.warm`'s), in the scratch rows with slots, solving `solve` frames a row (0:
+        of no stream (`lanes.CodecLanes.warm`'s), in the scratch rows with slots, solving `solve` frames a row (0:
         the fewest of `frames_a_call`)."""
         dec, la, stride = self.decoder, self.decoder.cfg.encoder.lookahead, self.decoder.stride
         dev, n = dec.device, self.bucket(len(calls))
@@ -312,83 +330,3 @@ class CodecSpeech:
     def pcm(self, work: Work) -> Tensor:
         """[B, n]: every row has had as many codes, so as much PCM."""
         return torch.stack(self.batch.vocodes(work))
-
-
-class CodecLanes(Lanes):
-    """Serving's detokenizer with the codec decoder: each batch of pieces through `CodecBatch`, on a
-    lane (detokenize.Lanes). A stream's pieces may go to both lanes (its first audible one urgent,
-    the rest not): a lane waits for the other's last batch before it takes a stream from it, and
-    the stream's tensors are marked as used there, so that the allocator keeps them for it."""
-
-    def __init__(
-        self, batch: CodecBatch, device: torch.device, clock: Clock, anchor_s: float = 2.0,
-        sink: Callable[[int, Tensor], None] | None = None,
-    ):  # fmt: skip
-        """sink(stream, pcm): where each piece's PCM goes (a server's audio out), called as the piece is
-        launched: on CUDA the PCM is computed on the lane, to be read after the batch's `Ready`."""
-        super().__init__(batch.decoder.cfg.hift.sampling_rate, device, clock, anchor_s)
-        self.batch, self.sink = batch, sink
-        self.first_codes = batch.first_codes
-        self.max_streams = batch.slot_count  # streams served at full speed: one a flow slot (0: no slots, none faster)
-        self.lane_of: dict[int, torch.cuda.Stream] = {}  # CUDA: each stream's last lane
-        self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
-
-    def _run(self, pieces: list[Piece]) -> list[int]:
-        if self.lanes:
-            self._claim(pieces)
-        pcm = self.batch.vocodes(self.batch.flows(pieces))
-        if self.sink is not None:
-            for p, x in zip(pieces, pcm, strict=True):
-                self.sink(p.stream, x)
-        if self.lanes:
-            lane = torch.cuda.current_stream(self.device)
-            self.ends[lane] = torch.cuda.Event()
-            self.ends[lane].record(lane)
-            for p in pieces:
-                self.lane_of.pop(p.stream, None) if p.last else self.lane_of.__setitem__(p.stream, lane)
-        return [x.numel() for x in pcm]
-
-    def _claim(self, pieces: list[Piece]) -> None:
-        lane = torch.cuda.current_stream(self.device)
-        moved = [p.stream for p in pieces if self.lane_of.get(p.stream, lane) != lane]
-        if moved:
-            for other, end in self.ends.items():
-                if other != lane:
-                    lane.wait_event(end)
-            for key in moved:
-                for t in self.batch.streams[key].state():
-                    t.record_stream(lane)
-
-    def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:
-        """Make now the graphs serving would meet, on the lane of later pieces: for a batch of every
-        bucket up to `rows` streams, the solve at every frame bucket a reply of up to `max_codes` codes
-        reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
-        `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
-        every later one's, so its shape is its own; with slots, the solve at each of `frames_a_call`, on
-        the urgent lane the fewest only); on the urgent lane the same for up to `few` streams'
-        first two audible pieces (the second goes there too while the first made less than a chunk's
-        audio: serve/scheduler.py). Returns the batches run."""
-        batch, calls = self.batch, 0
-        dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
-        for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
-            for urgent in (False, True) if n <= few and self.lanes else (False,):
-                upto = self.first_codes + codes if urgent else max(max_codes, self.first_codes) + codes
-                if batch.pad_frames:  # the flow at every frame bucket: its longest call (and last call, fewer rows)
-                    pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
-                    for end in range(pad, frames + pad, pad):
-                        length = max(end // dec.stride - len(batch.prompt), la + 1)
-                        for final in (False, True) if n <= few else (False,):
-                            call = FlowCall([0] * (length if final else length + la), 0, streaming=True, finalize=final)
-                            for q in batch.frames_a_call[: 1 if urgent or final else None] or (0,):
-                                with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
-                                    batch.mel([call] * n, finalize=final, solve=q)
-                                calls += 1
-                keys = [batch.new_key() for _ in range(n)]
-                fc = self.first_codes
-                for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
-                    self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
-                    calls += 1
-                self([Piece(s, torch.zeros(0, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
-        if self.lanes:
-            torch.cuda.synchronize(self.device)
-        return calls

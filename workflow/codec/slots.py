@@ -4,10 +4,12 @@ that one batched call (and one CUDA graph per shape) solves only each stream's n
 A stream's `Past` (estimator.py) holds what the ODE's passes made of its earlier frames, but as
 tensors that each call copies and grows, one stream at a time. Here, per ODE step:
 
-- keys and values, per attention: one pool [rows x frames, 2, heads, head_dim], flat, so that any
-  frame of any row is one index. The rows: the voice prompt's (its past, `CodecDecoder.prompt_past`,
-  read by every stream: the prompt's frames are stored once), a scratch row (what padding rows
-  write), and each slot's (its stream's frames from the end of the prompt's past on);
+- keys and values, per attention: one pool [frames, 2, heads, head_dim], flat, so that any frame is
+  one index. First two rows of `frames` frames: the voice prompt's (its past, `CodecDecoder.prompt_past`,
+  read by every stream: the prompt's frames are stored once) and a scratch row (what padding rows
+  write); then pages of PAGE frames, which a slot takes as its stream's frames grow (its frames from
+  the end of the prompt's past on) and gives back when it ends: the pools hold the frames streams
+  have, not every slot's longest reply, so more streams fit the same memory;
 - each causal convolution's last `left` input frames: one pool [rows, width] for all convolutions,
   two rows a slot: a call reads one and writes the other, so that a call run again (a CUDA graph's
   warm-up and capture run it three times) reads what it read the first time.
@@ -19,7 +21,7 @@ row's chunk mask, shifted by the row's first frame. Frames a call writes past it
 (its padding) lie after every frame the row has: masked until the next call writes them over.
 
 Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x keys and values of
-512 values x 2 rows is ~2.3 MB a frame a slot (docs/codec.md, "The flow cache")."""
+512 values x 2 rows is ~2.3 MB a frame (docs/codec.md, "The flow cache")."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
 from workflow.codec.fast import ALIGN, compile_block, conv, windowed
 from workflow.codec.solver import solve
+
+PAGE = 40  # frames a page of the pools holds (two chunks of 5 codes at 4 frames a code)
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,10 @@ class SlotIndex:
 
 
 class FlowSlots:
-    """`slots` streams' flow pasts of up to `frames` frames each (after the prompt's past) in one voice."""
+    """`slots` streams' flow pasts of up to `frames` frames each (after the prompt's past) in one voice,
+    in `pages` pages of PAGE frames (0: enough for every slot's `frames`)."""
 
-    def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, slots: int, frames: int) -> None:
+    def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, slots: int, frames: int, pages: int = 0) -> None:
         cfg, est = decoder.cfg, decoder.estimator
         if slots < 1 or frames < 1:
             raise ValueError(f"flow slots: need at least one slot of one frame, got {slots} of {frames}")
@@ -65,9 +70,11 @@ class FlowSlots:
         self.base = past[0].frames  # the prompt's past: every stream's first call starts there
         self.halves = 2 if cfg.solver.cfg_rate != 0 else 1
         self.frames = max(frames, self.base)  # a row's frames (the prompt's row holds its past)
-        self.count = slots
+        self.count, self.pages = slots, pages or slots * -(-self.frames // PAGE)
         self.free = list(range(slots))
-        self.freed: dict[int, torch.cuda.Event] = {}  # CUDA: each released slot's last use, on the lane that made it
+        self.free_pages = list(range(self.pages))
+        self.table: list[list[int]] = [[] for _ in range(slots)]  # each slot's pages, in frame order
+        self.freed: dict[tuple[str, int], torch.cuda.Event] = {}  # CUDA: each released slot's and page's last use
         self.parity = [0] * slots
         self.attn = [b.attn1 for b in est.transformer_blocks()]
         self.convs = [m for m in est.modules() if isinstance(m, CausalConv1d)]
@@ -77,12 +84,14 @@ class FlowSlots:
             self.offset[c], w = w, w + self.width[c]
         dev, dtype = decoder.device, est.final_proj.weight.dtype
         h, heads, d = self.halves, est.cfg.heads, est.cfg.head_dim
-        rows = h * (2 + slots)  # the prompt's, the scratch's, the slots'
-        self.kv = [{a: torch.zeros(rows * self.frames, 2, heads, d, device=dev, dtype=dtype) for a in self.attn} for _ in past]
+        self.fixed = 2 * h * self.frames  # the prompt's rows and the scratch's, then the pages
+        size = self.fixed + self.pages * h * PAGE
+        self.kv = [{a: torch.zeros(size, 2, heads, d, device=dev, dtype=dtype) for a in self.attn} for _ in past]
         self.tails = [torch.zeros(h * (2 + 2 * slots), w, device=dev, dtype=dtype) for _ in past]
         for step, p in enumerate(past):  # the prompt's rows: its past, once
             for a, (k, v) in p.keys.items():
-                self.kv[step][a].view(rows, self.frames, 2, heads, d)[:h, : self.base] = torch.stack([k, v], 2).transpose(1, 3)
+                rows = self.kv[step][a][: self.fixed].view(2 * h, self.frames, 2, heads, d)
+                rows[:h, : self.base] = torch.stack([k, v], 2).transpose(1, 3)
             for c, x in p.convs.items():
                 self.tails[step][:h, self.offset[c] : self.offset[c] + self.width[c]] = x.flatten(1)
         self.noise = decoder.noise.buffer.to(dev)  # [1, mels, frames], read per row inside a graph
@@ -94,51 +103,80 @@ class FlowSlots:
         )
 
     @staticmethod
-    def size(decoder: CodecDecoder, slots: int, frames: int) -> int:
-        """The bytes `FlowSlots(decoder, <a prompt whose past fits a slot>, slots, frames)` holds."""
+    def size(decoder: CodecDecoder, slots: int, frames: int, pages: int = 0) -> int:
+        """The bytes `FlowSlots(decoder, <a prompt whose past fits a slot>, slots, frames, pages)` holds."""
         cfg, est = decoder.cfg, decoder.estimator
         h = 2 if cfg.solver.cfg_rate != 0 else 1
-        kv = len(est.transformer_blocks()) * h * (2 + slots) * frames * 2 * est.cfg.heads * est.cfg.head_dim
+        rows = 2 * h * frames + (pages or slots * -(-frames // PAGE)) * h * PAGE
+        kv = len(est.transformer_blocks()) * rows * 2 * est.cfg.heads * est.cfg.head_dim
         tails = h * (2 + 2 * slots) * sum(m.left * m.in_channels for m in est.modules() if isinstance(m, CausalConv1d))
         return cfg.solver.steps * (kv + tails) * est.final_proj.weight.element_size()
 
     def take(self) -> int:
-        """A free slot for a new stream. On CUDA the current stream first waits for the slot's last
-        use: its last stream's final call may still run on the other lane, and the new stream's
-        first call writes the same rows."""
+        """A free slot for a new stream (its pages come as its frames grow: `grow`). On CUDA the current
+        stream first waits for the slot's last use: its last stream's final call may still run on the
+        other lane, and the new stream's first call writes the same rows."""
         if not self.free:
             raise RuntimeError(f"all {self.count} flow slots are taken (benchmark.codec.slots)")
         slot = self.free.pop(0)
-        if slot in self.freed:
-            torch.cuda.current_stream(self.decoder.device).wait_event(self.freed.pop(slot))
+        self._after(("slot", slot))
         return slot
 
+    def grow(self, slot: int, frames: int) -> bool:
+        """Pages for the slot's first `frames` frames, taken now if it lacks them; False (taking none)
+        past a slot's `frames` or the free pages. A page another slot gave back is waited for like a slot."""
+        need = -(-frames // PAGE) - len(self.table[slot])
+        if frames > self.frames or need > len(self.free_pages):
+            return False
+        for _ in range(need):
+            self.table[slot].append(self.free_pages.pop(0))
+            self._after(("page", self.table[slot][-1]))
+        return True
+
     def release(self, slot: int) -> None:
-        """Called after the slot's last call is launched, on the lane that launched it."""
+        """Called after the slot's last call is launched, on the lane that launched it: the slot and its
+        pages are free."""
         self.parity[slot] = 0
         self.free.append(slot)
+        self.free_pages += self.table[slot]
         if self.decoder.device.type == "cuda":
-            self.freed[slot] = torch.cuda.Event()
-            self.freed[slot].record(torch.cuda.current_stream(self.decoder.device))
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.decoder.device))
+            self.freed |= {("slot", slot): done} | {("page", p): done for p in self.table[slot]}
+        self.table[slot] = []
+
+    def _after(self, what: tuple[str, int]) -> None:
+        if what in self.freed:
+            torch.cuda.current_stream(self.decoder.device).wait_event(self.freed.pop(what))
 
     def index(self, slots: list[int | None], starts: list[int], ends: list[int], new: int, keys: int) -> SlotIndex:
         """The rows of a call: per row its slot (None: padding, the scratch row), its first and end
         frame (absolute, the prompt's first); `new` frames solved a row (Q), `keys` key frames (K).
-        A row's first call starts at `base` and reads the prompt's tails; then its slot's, by parity."""
+        A row's first call starts at `base` and reads the prompt's tails; then its slot's, by parity. A
+        row's slot takes the pages its new frames need (`grow`)."""
         f, h, n = self.frames, self.halves, len(slots)
         for s, a, b in zip(slots, starts, ends, strict=True):
-            if s is not None and (b - a > new or a - self.base + new > f or b > keys):
+            if s is not None and (b - a > new or b > keys or not self.grow(s, a - self.base + new)):
                 raise ValueError(
-                    f"a flow call of frames {a}..{b} does not fit: {new} new frames a call, {keys} keys, slots of {f}"
+                    f"a flow call of frames {a}..{b} does not fit: {new} new frames a call, {keys} keys, slots of {f} "
+                    f"frames, {len(self.free_pages)} of {self.pages} pages free"
                 )
         half = torch.arange(h)[:, None].expand(h, n)
-        kv_row = (torch.tensor([1 if s is None else 2 + s for s in slots])[None] * h + half).reshape(-1)
-        prompt_row = half.reshape(-1)
+        hr = half.reshape(-1, 1)  # each row's half
+        paged = torch.tensor([s is not None for s in slots]).repeat(h)[:, None]
+        have = torch.tensor([f if s is None else len(self.table[s]) * PAGE for s in slots]).repeat(h)[:, None]
+        width = max([len(self.table[s]) for s in slots if s is not None] + [1])
+        table = torch.tensor([[0] * width if s is None else (self.table[s] * width)[:width] for s in slots]).repeat(h, 1)
+
+        def at(own: Tensor) -> Tensor:  # [R, X] frames of each row's own (from base) -> flat indices
+            own = torch.minimum(own.clamp(min=0), have - 1)
+            page = table.gather(1, torch.where(paged, own, 0) // PAGE)
+            return torch.where(paged, self.fixed + (page * h + hr) * PAGE + own % PAGE, (h + hr) * f + own)
+
         start = torch.tensor(starts).repeat(h)
         j = torch.arange(keys)[None]
-        own = (j - self.base).clamp(0, f - 1)
-        key_index = torch.where(j < self.base, prompt_row[:, None] * f + j.clamp(max=f - 1), kv_row[:, None] * f + own)
-        writes = kv_row[:, None] * f + (start[:, None] - self.base + torch.arange(new)).clamp(0, f - 1)
+        key_index = torch.where(j < self.base, hr * f + j.clamp(max=f - 1), at(j - self.base))
+        writes = at(start[:, None] - self.base + torch.arange(new))
         tail_row = [(2 + 2 * s + self.parity[s]) if s is not None else 1 for s in slots]  # in units of h rows
         first = [s is not None and a == self.base for s, a in zip(slots, starts, strict=True)]
         t_in = torch.tensor([0 if fi else r for fi, r in zip(first, tail_row, strict=True)])

@@ -74,6 +74,7 @@ class CodecTiming:
     compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
     kernels: bool = True  # CUDA only: the flow slots' transformer blocks as Triton kernels (kernels.py)
     slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
+    pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
 
     @classmethod

@@ -162,8 +162,13 @@ class Scheduler:
                 return f"{name} id {int(bad[0])} is outside the {name} vocabulary (0..{size - 1})"
         if t + req.max_steps > self.engine.max_seq_len:
             return f"prompt {t} + reply {req.max_steps} positions exceed a slot's {self.engine.max_seq_len}"
-        if self.cfg.when_full == "refuse" and self._open() + len(self.queue) >= self.max_streams:
+        if not self._holds([req]):
+            return f"a reply of {req.max_steps} codes is more than the detokenizer's flow slots hold"
+        waiting = [*self._open_requests(), *self.queue, req]
+        if self.cfg.when_full == "refuse" and len(waiting) > self.max_streams:
             return f"all {self.max_streams} slots are busy"
+        if self.cfg.when_full == "refuse" and not self._holds(waiting):
+            return "the detokenizer's flow slots hold no more replies now"
         return None
 
     def cancel(self, rid: int) -> None:
@@ -265,6 +270,8 @@ class Scheduler:
     def _admit(self) -> None:
         free, budget, admitted = self._free_slots(), self.cfg.prefill_tokens, []
         while self.queue and free and (not admitted or budget >= self.queue[0].prompt.shape[0]):
+            if not self._holds([*self._open_requests(), *admitted, self.queue[0]]):
+                break  # its reply does not fit the flow slots' pages beside the open streams': it waits
             req = self.queue.popleft()
             req.slot, req.t_admit = free.pop(0), self.clock()
             budget -= req.prompt.shape[0]
@@ -292,8 +299,17 @@ class Scheduler:
         """Streams open: from admission until the last chunk is sent (so long the detokenizer keeps a
         stream's state: the codec decoder a flow slot, past which a stream re-runs every frame of its
         reply each call)."""
-        closing = {c[0].rid for c in self.outbox} - {r.rid for r in self.streams.values()}
-        return len(self.streams) + len(closing)
+        return len(self._open_requests())
+
+    def _open_requests(self) -> list[Request]:
+        speaking = {r.rid for r in self.streams.values()}
+        return [*self.streams.values(), *{c[0].rid: c[0] for c in self.outbox if c[0].rid not in speaking}.values()]
+
+    def _holds(self, reqs: list[Request]) -> bool:
+        """Whether the detokenizer holds these streams at once (the codec decoder: their flow slots'
+        pages at their replies' longest, `CodecBatch.holds`)."""
+        holds = getattr(self.detokenize, "holds", None)
+        return holds is None or holds([r.max_steps for r in reqs])
 
     def _free_slots(self) -> list[int]:
         """The engine slots queued requests may take now: at most `max_streams` streams are open."""

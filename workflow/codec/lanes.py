@@ -1,0 +1,96 @@
+"""Serving's detokenizer with the codec decoder: `CodecLanes`, each batch of pieces through
+`CodecBatch` (batch.py) on a lane of its own (detokenize.Lanes), and the graphs serving will meet
+made ahead (`warm`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from workflow.codec.batch import CodecBatch
+from workflow.codec.stream import FlowCall
+from workflow.detokenize import Clock, Lanes, Piece
+
+
+class CodecLanes(Lanes):
+    """Serving's detokenizer with the codec decoder: each batch of pieces through `CodecBatch`, on a
+    lane (detokenize.Lanes). A stream's pieces may go to both lanes (its first audible one urgent,
+    the rest not): a lane waits for the other's last batch before it takes a stream from it, and
+    the stream's tensors are marked as used there, so that the allocator keeps them for it."""
+
+    def __init__(
+        self, batch: CodecBatch, device: torch.device, clock: Clock, anchor_s: float = 2.0,
+        sink: Callable[[int, Tensor], None] | None = None,
+    ):  # fmt: skip
+        """sink(stream, pcm): where each piece's PCM goes (a server's audio out), called as the piece is
+        launched: on CUDA the PCM is computed on the lane, to be read after the batch's `Ready`."""
+        super().__init__(batch.decoder.cfg.hift.sampling_rate, device, clock, anchor_s)
+        self.batch, self.sink = batch, sink
+        self.first_codes = batch.first_codes
+        self.max_streams = batch.slot_count  # streams served at full speed: one a flow slot (0: no slots, none faster)
+        self.holds = batch.holds  # and whether the flow slots' pages hold streams of so many codes at once
+        self.lane_of: dict[int, torch.cuda.Stream] = {}  # CUDA: each stream's last lane
+        self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
+
+    def _run(self, pieces: list[Piece]) -> list[int]:
+        if self.lanes:
+            self._claim(pieces)
+        pcm = self.batch.vocodes(self.batch.flows(pieces))
+        if self.sink is not None:
+            for p, x in zip(pieces, pcm, strict=True):
+                self.sink(p.stream, x)
+        if self.lanes:
+            lane = torch.cuda.current_stream(self.device)
+            self.ends[lane] = torch.cuda.Event()
+            self.ends[lane].record(lane)
+            for p in pieces:
+                self.lane_of.pop(p.stream, None) if p.last else self.lane_of.__setitem__(p.stream, lane)
+        return [x.numel() for x in pcm]
+
+    def _claim(self, pieces: list[Piece]) -> None:
+        lane = torch.cuda.current_stream(self.device)
+        moved = [p.stream for p in pieces if self.lane_of.get(p.stream, lane) != lane]
+        if moved:
+            for other, end in self.ends.items():
+                if other != lane:
+                    lane.wait_event(end)
+            for key in moved:
+                for t in self.batch.streams[key].state():
+                    t.record_stream(lane)
+
+    def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:
+        """Make now the graphs serving would meet, on the lane of later pieces: for a batch of every
+        bucket up to `rows` streams, the solve at every frame bucket a reply of up to `max_codes` codes
+        reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
+        `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
+        every later one's, so its shape is its own; with slots, the solve at each of `frames_a_call`, on
+        the urgent lane the fewest only); on the urgent lane the same for up to `few` streams'
+        first two audible pieces (the second goes there too while the first made less than a chunk's
+        audio: serve/scheduler.py). Returns the batches run."""
+        batch, calls = self.batch, 0
+        dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
+        for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
+            for urgent in (False, True) if n <= few and self.lanes else (False,):
+                upto = self.first_codes + codes if urgent else max(max_codes, self.first_codes) + codes
+                if batch.pad_frames:  # the flow at every frame bucket: its longest call (and last call, fewer rows)
+                    pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
+                    for end in range(pad, frames + pad, pad):
+                        length = max(end // dec.stride - len(batch.prompt), la + 1)
+                        for final in (False, True) if n <= few else (False,):
+                            call = FlowCall([0] * (length if final else length + la), 0, streaming=True, finalize=final)
+                            for q in batch.frames_a_call[: 1 if urgent or final else None] or (0,):
+                                with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
+                                    batch.mel([call] * n, finalize=final, solve=q)
+                                calls += 1
+                keys = [batch.new_key() for _ in range(n)]
+                fc = self.first_codes
+                for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
+                    self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
+                    calls += 1
+                self([Piece(s, torch.zeros(0, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
+        if self.lanes:
+            torch.cuda.synchronize(self.device)
+        return calls
