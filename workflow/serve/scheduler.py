@@ -4,8 +4,8 @@ One thread owns the engine. Each `iterate`:
 
 1. admits queued requests into free slots, at most `prefill_tokens` prompt tokens an iteration
    (always at least one prompt), prompts of one length in one batched prefill, while fewer than
-   `max_streams` streams are open (the detokenizer's limit too: a stream beyond the codec
-   decoder's flow slots would re-run every frame of its reply each call). Prompts are
+   `max_streams` streams are open and the detokenizer `holds` their replies (the codec decoder's flow
+   slots and pages: past them a stream would re-run every frame of its reply each call). Prompts are
    admitted whole, not chunked: a 512-token prefill costs about two decode steps of a full batch,
    far inside the 80 ms each running stream has per code, and the token budget keeps a burst of
    arrivals from stacking more than that in front of one step;
