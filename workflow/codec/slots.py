@@ -166,7 +166,8 @@ class FlowSlots:
         paged = torch.tensor([s is not None for s in slots]).repeat(h)[:, None]
         have = torch.tensor([f if s is None else len(self.table[s]) * PAGE for s in slots]).repeat(h)[:, None]
         width = max([len(self.table[s]) for s in slots if s is not None] + [1])
-        table = torch.tensor([[0] * width if s is None else (self.table[s] * width)[:width] for s in slots]).repeat(h, 1)
+        pad = [[0] * width if s is None else self.table[s] + self.table[s][-1:] * (width - len(self.table[s])) for s in slots]
+        table = torch.tensor(pad).repeat(h, 1)  # each row's pages, padded with its last
 
         def at(own: Tensor) -> Tensor:  # [R, X] frames of each row's own (from base) -> flat indices
             own = torch.minimum(own.clamp(min=0), have - 1)
