@@ -212,11 +212,12 @@ def load_markdown(load: dict) -> list[str]:
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
-        "streams' chunks until each has a chunk's audio); slots in use: streams speaking on average (in brackets the most "
-        "open at once: the engine's slots, load.slots and the detokenizer's flow slots); queued: arrival to admission.",
+        "streams' chunks until each has a chunk's audio); streams: speaking on average, the most open at once, and the "
+        "most allowed (the engine's slots, load.slots and the detokenizer's flow slots); queued: arrival to admission.",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
-        "device: prefill / sample / decode / detok. (first) | slots in use (at most) | queued ms p99 | refused / failed |",
+        "device: prefill / sample / decode / detok. (first) | streams: mean / most / allowed | queued ms p99 "
+        "| refused / failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"])):  # closed, then open; searched levels in place
@@ -228,7 +229,8 @@ def load_markdown(load: dict) -> list[str]:
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
             f"| {' / '.join(f'{d.get(k, 0.0):.2f}' for k in ('prefill', 'sample', 'decode', 'detokenize'))}"
             f"{f' ({d[FIRST]:.2f})' if FIRST in d else ''} "
-            f"| {lv['mean_active_slots']:.1f} ({lv['max_streams']}) | {lv['queued_ms']['p99']:.1f} "
+            f"| {lv['mean_active_slots']:.1f} / {lv.get('peak_streams', '-')} / {lv['max_streams']} "
+            f"| {lv['queued_ms']['p99']:.1f} "
             f"| {lv['refused']} / {lv['failed']} |"
         )
     return lines

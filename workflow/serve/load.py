@@ -182,7 +182,7 @@ def run_level(
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
-    busy, active_sum, iterations, seen, last_print = 0.0, 0, 0, 0, t0
+    busy, active_sum, iterations, seen, peak, last_print = 0.0, 0, 0, 0, 0, t0
     listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
     while pending or listening or not sched.idle():
         now = clock()
@@ -207,6 +207,7 @@ def run_level(
         busy += clock() - t_iter
         iterations += 1
         active_sum += len(sched.streams)
+        peak = max(peak, sched.streams_open())
         if progress and clock() - last_print > 2.0:
             last_print = clock()
             print(
@@ -233,6 +234,7 @@ def run_level(
         "ttfa_ms": percentiles(ttfa),
         "queued_ms": percentiles(queued),  # arrival to admission: part of time to first audio
         "max_streams": sched.max_streams,
+        "peak_streams": peak,  # the most open at once after an iteration: whether the level met max_streams
         "underruns": sum(n for n, _ in runs),
         "stalled_s": sum(s for _, s in runs),
         "tokens_per_s": sum(len(r.codes) for r in done) / wall,

@@ -129,7 +129,7 @@ class Scheduler:
         self.rate = pcm_rate(detokenize)
         self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * self.rate)  # a chunk's, in samples
         limits = (engine.max_batch, cfg.max_streams, getattr(detokenize, "max_streams", 0))
-        self.max_streams = min(n for n in limits if n)  # streams open at once at most (`_open`)
+        self.max_streams = min(n for n in limits if n)  # streams open at once at most (`streams_open`)
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
         self.seen_text = torch.zeros(slots, spec.vocab_size, dtype=torch.bool, device=dev)
         self.seen_audio = torch.zeros(slots, spec.audio_vocab_size, dtype=torch.bool, device=dev)
@@ -295,7 +295,7 @@ class Scheduler:
                 self.streams[req.slot], self.mode[req.slot] = req, m
             self._add_logits(slots, text, audio)
 
-    def _open(self) -> int:
+    def streams_open(self) -> int:
         """Streams open: from admission until the last chunk is sent (so long the detokenizer keeps a
         stream's state: the codec decoder a flow slot, past which a stream re-runs every frame of its
         reply each call)."""
@@ -314,7 +314,7 @@ class Scheduler:
     def _free_slots(self) -> list[int]:
         """The engine slots queued requests may take now: at most `max_streams` streams are open."""
         busy = set(self.streams)
-        return [s for s in range(self.engine.max_batch) if s not in busy][: max(0, self.max_streams - self._open())]
+        return [s for s in range(self.engine.max_batch) if s not in busy][: max(0, self.max_streams - self.streams_open())]
 
     def _add_logits(self, slots: list[int], text: torch.Tensor | None, audio: torch.Tensor) -> None:
         if self.logits is None:
