@@ -52,23 +52,52 @@ def test_streams_batched_at_different_points_give_what_each_gives_alone(decoder,
 
 
 def test_hift_runs_the_calls_of_one_shape_together(decoder, voice, monkeypatch):
-    """Three streams in step: each HiFT round is one pass over all three (their F0, NSF sources, each
-    continued from its own stream's, and network together: at their start, then continuing), and each
-    stream's PCM is still its own alone."""
+    """Three streams in step: each HiFT pass is over all three (their NSF sources, each continued from its
+    own stream's, and network together: at their start, then continuing), and each stream's PCM is still
+    its own alone."""
     g = torch.Generator().manual_seed(5)
     codes = {k: torch.randint(0, 1000, (17,), generator=g) for k in (1, 2, 3)}
-    passes: list[tuple[int, bool]] = []
-    hift_calls = CodecDecoder.hift_calls
-
-    def counted(self, mel, seeds, first, before=None, *, context=0):
-        passes.append((mel.shape[0], before is None))
-        return hift_calls(self, mel, seeds, first, before, context=context)
-
-    monkeypatch.setattr(CodecDecoder, "hift_calls", counted)
+    passes = hift_passes(monkeypatch)
     got = in_steps(CodecBatch(decoder, voice), codes, dict.fromkeys(codes, 0), 5)
     assert passes and all(n == 3 for n, _ in passes) and {fresh for _, fresh in passes} == {True, False}
     for k in codes:
         assert (got[k] - alone(decoder, voice, k, codes[k], 5)).abs().max() <= ATOL_PCM, k
+
+
+def hift_passes(monkeypatch) -> list[tuple[int, bool]]:
+    """Each HiFT pass from here on (its rows, and whether at the streams' start), as `hift_from_f0` runs it."""
+    passes: list[tuple[int, bool]] = []
+    real = CodecDecoder.hift_from_f0
+
+    def counted(self, mel, f0, seeds, first, before=None, *, context=0):
+        passes.append((mel.shape[0], before is None))
+        return real(self, mel, f0, seeds, first, before, context=context)
+
+    monkeypatch.setattr(CodecDecoder, "hift_from_f0", counted)
+    return passes
+
+
+@pytest.mark.parametrize("slots", [0, 2, 4])
+def test_a_streams_waiting_calls_vocode_in_one_pass(decoder, voice, monkeypatch, slots):
+    """Chunks that waited: two streams send 21 codes at once (flow calls due at 6, 11, 16 and 21 codes), then
+    their last 5. HiFT runs each batch's calls in one pass per shape, not a round per call: the first
+    call's (at the streams' start), the second's (after the short first hop its F0 context is its own)
+    and the last two's together, their source phase carried from call to call; then the chunk, and the
+    last call apart (eager). With slots a pass has at most as many rows as there are slots (serving's
+    graphs are made for so many). Each stream's PCM is its own alone, chunk by chunk."""
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
+    batch = CodecBatch(decoder, voice, slots=slots, max_codes=40)
+    passes = hift_passes(monkeypatch)
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n, last in ((0, 21, False), (21, 5, True)):
+        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    later = [(4, False)] if slots != 2 else [(2, False)] * 2  # at most `slot_count` rows a pass
+    assert passes == [(2, True), (2, False), *later, (2, False), (2, False)]  # before: 4 rounds, then 2
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
 def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):

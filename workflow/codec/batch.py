@@ -14,19 +14,22 @@ and the others' apart:
   (keys past a frame's chunk are never read, convolutions look left), so each row gives what its
   stream gives alone. With `pad_frames` the frames are padded to a multiple of it and the rows to
   `bucket(n)`: on CUDA the whole flow (front end and solve) is a graph per shape and lane;
-- HiFT: the calls of one shape (frames, F0 context, at a stream's start or not) at once: their F0,
-  NSF sources (each continued from its own stream's: stream.py) and network in one pass (on CUDA a
-  graph per shape and lane; a stream's last call, of any length, runs eager); then each stream's
-  cross-fade (each stream's source noise is its seed's: NsfSource.noise).
+- HiFT: every call at once, a stream's several (chunks that waited) too: first each call's F0 (its
+  frames are known), then each stream's source phase carried from one of its calls to the next, then
+  the calls of one shape (frames, F0 context, at a stream's start or not) in one pass of their NSF
+  sources (each continued from its own stream's: stream.py) and network (on CUDA a graph per shape
+  and lane; a stream's last call, of any length, runs eager); then each stream's cross-fades, in
+  order (each stream's source noise is its seed's: NsfSource.noise).
 
-A stream with two calls in one step (the chunk's, then its last) has them in two rounds. Streams
-never share state, so each stream's PCM is what it gives alone, up to the rounding of batched
-arithmetic (tests/test_codec_batch.py)."""
+Streams never share state, and a call's HiFT gives what it gives alone, so each stream's PCM is what
+it gives alone, up to the rounding of batched arithmetic (tests/test_codec_batch.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,7 +43,7 @@ from workflow.detokenize import Piece
 from workflow.engines.base import to_device
 
 KEYS = 1 << 40  # new_key's first key, above any request id
-Work = list[tuple[CodecStream, list[Tensor], bool, int]]  # per piece: its stream, its calls' frames, its end, first round
+Work = list[tuple[CodecStream, list[Tensor], bool]]  # per piece: its stream, its calls' frames, its end
 
 
 class CodecBatch:
@@ -138,17 +141,13 @@ class CodecBatch:
     @torch.inference_mode()
     def flows(self, pieces: list[Piece]) -> Work:
         """Stage one: add each piece's codes to its stream and run every flow call now due. A stream may
-        have several pieces in a batch (chunks that waited): its calls keep their order, round by round,
-        and with a slot its consecutive calls run as one (`_jobs`)."""
+        have several pieces in a batch (chunks that waited): its calls keep their order, and with a slot
+        its consecutive calls run as one (`_jobs`)."""
         due = [(self.stream(p.stream), p) for p in pieces]
         calls = [s.calls(p.codes, p.last) for s, p in due]
         for p, cs in zip(pieces, calls, strict=True):
             if cs and p.stream in self.slot_of and not self._grows(p.stream, cs[-1]):
                 self._unslot(p.stream)  # from here on it re-runs every frame
-        first, seen = [], {}  # each piece's first call's round (HiFT's): after its stream's earlier pieces' calls
-        for p, c in zip(pieces, calls, strict=True):
-            first.append(seen.get(p.stream, 0))
-            seen[p.stream] = first[-1] + len(c)
         jobs = self._jobs(pieces, calls)
         mels: list[list[Tensor]] = [[] for _ in pieces]
         for r in range(max(map(len, jobs.values()), default=0)):
@@ -166,7 +165,7 @@ class CodecBatch:
         for p in pieces:
             if p.last:
                 self.end(p.stream)
-        return [(s, m, p.last, f) for (s, p), m, f in zip(due, mels, first, strict=True)]
+        return [(s, m, p.last) for (s, p), m in zip(due, mels, strict=True)]
 
     def _grows(self, key: int, call: FlowCall) -> bool:
         """Whether the stream's slot holds the call's frames, taking pages for them: not past a slot's
@@ -205,16 +204,13 @@ class CodecBatch:
 
     @torch.inference_mode()
     def vocodes(self, work: Work) -> list[Tensor]:
-        """Stage two: HiFT over each stream's new frames, round by round (a stream's calls in order); the
-        PCM each piece made final."""
+        """Stage two: HiFT over every call's new frames, a stream's calls in one pass with the others' (`hift`);
+        the PCM each piece made final."""
+        calls = [(s, m, last and j == len(ms) - 1, i) for i, (s, ms, last) in enumerate(work) for j, m in enumerate(ms)]
         pcm: list[list[Tensor]] = [[] for _ in work]
-        for r in range(max((f + len(m) for _, m, _, f in work), default=0)):
-            rows = [i for i, (_, m, _, f) in enumerate(work) if 0 <= r - f < len(m)]
-            final = [work[i][2] and r - work[i][3] == len(work[i][1]) - 1 for i in rows]
-            made = self.hift([(work[i][0], work[i][1][r - work[i][3]]) for i in rows], final)
-            for i, x in zip(rows, made, strict=True):
-                pcm[i].append(x)
-        for i, (s, m, last, _) in enumerate(work):
+        for (*_, i), x in zip(calls, self.hift([c[:3] for c in calls]), strict=True):
+            pcm[i].append(x)
+        for i, (s, m, last) in enumerate(work):
             if last and not m:  # nothing left to decode: the held tail is final
                 pcm[i].append(s.held)
                 s.held = s.held[:0]
@@ -284,35 +280,70 @@ class CodecBatch:
         p = self.voice.mel.shape[1]
         return [mel[i, :, p + c.offset * stride - starts[i] : ends[i] - starts[i]] for i, c in enumerate(calls)]
 
-    def hift(self, calls: list[tuple[CodecStream, Tensor]], final: list[bool]) -> list[Tensor]:
-        """HiFT over one call of each stream, streams of one shape at once: each group's F0, NSF source
-        (each stream's continued from its own) and network in one pass (a graph on CUDA)."""
-        prepared = [s.prepare(m) for s, m in calls]
-        out: list[tuple[Tensor, Tensor] | None] = [None] * len(calls)
-        groups: dict[tuple[int, int, bool, bool], list[int]] = {}
-        for i, x in enumerate(prepared):
-            groups.setdefault((x.mel.shape[1], x.context, x.before is None, final[i]), []).append(i)
-        for (_, context, fresh, last), idx in groups.items():
-            n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
-            padded = idx + [idx[-1]] * (n - len(idx))  # padding rows: copies of the last
-            rows, dev = [prepared[i] for i in padded], prepared[idx[0]].mel.device
-            seeds, starts = to_device(dev, [[calls[i][0].seed for i in padded], [x.start for x in rows]])  # one copy
-            args = [torch.stack([x.mel for x in rows]), seeds, starts]
+    def hift(self, calls: list[tuple[CodecStream, Tensor, bool]]) -> list[Tensor]:
+        """HiFT over calls (stream, new frames, final), a stream's in order, all in one pass. A call's F0
+        reads only its frames, which are known, so every call's F0 is made first; each stream's source
+        phase is then carried from one of its calls to the next (a running sum of that F0), and every
+        call's NSF source (each continued from its own stream's) and network run at once: a stream's held
+        chunks cost one pass, not one a chunk, and each call gives what it gives alone. Calls of one shape
+        (frames, F0 context, at a stream's start or not) go together, at most `slot_count` rows a pass
+        (the most `lanes.CodecLanes.warm` makes graphs for), each a graph on CUDA (a last call, of any
+        length, eager); then each stream's cross-fades, in order."""
+        xs = []
+        for s, m, final in calls:  # each call's frames and F0 context, its stream moved past it
+            xs.append(s.prepare(m))
+            s.advance(xs[-1], final)
+        shapes = [(x.mel.shape[1], x.context, final) for x, (_, _, final) in zip(xs, calls, strict=True)]
+        f0: list[Tensor] = [torch.empty(0)] * len(xs)
+        for idx in self._passes(shapes):
+            context, last = shapes[idx[0]][1:]
+            fn = functools.partial(self.decoder.hift_f0, context=context)
+            got = self._graphed(("f0", *shapes[idx[0]]), fn, last, torch.stack([xs[i].mel for i in self._rows(idx, last)]))
+            for j, i in enumerate(idx):
+                f0[i] = got[j]
+        after: dict[int, Tensor | None] = {}  # a stream's source cycles before its next call here
+        its_last = {id(s): n for n, (s, _, _) in enumerate(calls)}
+        for n, ((s, _, _), x) in enumerate(zip(calls, xs, strict=True)):
+            if id(s) in after:
+                xs[n] = x = dataclasses.replace(x, before=after[id(s)])
+            if n < its_last[id(s)]:
+                nxt = max(0, x.end - s.mel_cache)  # as `CodecStream.settle` keeps it
+                after[id(s)] = self.decoder.source.cycles(f0[n], x.before)[nxt - x.start - 1] if nxt > 0 else None
+        shapes = [(*shape, x.before is None) for shape, x in zip(shapes, xs, strict=True)]
+        out: list[tuple[Tensor, Tensor]] = [(torch.empty(0), torch.empty(0))] * len(xs)
+        for idx in self._passes(shapes):
+            _, context, last, fresh = shapes[idx[0]]
+            padded = self._rows(idx, last)
+            seeds, starts = to_device(xs[idx[0]].mel.device, [[calls[i][0].seed for i in padded], [xs[i].start for i in padded]])
+            args = [torch.stack([xs[i].mel for i in padded]), torch.stack([f0[i] for i in padded]), seeds, starts]
             if not fresh:
-                args.append(torch.stack([x.before for x in rows]))  # type: ignore[misc]
-            vocode = functools.partial(self.decoder.hift_calls, context=context)
-            if self.graphs is not None and not last:  # a last call's frames vary: eager
-                prio = torch.cuda.current_stream(args[0].device).priority
-                key = ("hift", tuple(args[0].shape), context, fresh, prio)
-                pcm, cycles = (t.clone() for t in self.graphs.call(key, vocode, *args))
-            else:
-                pcm, cycles = vocode(*args)
+                args.append(torch.stack([xs[i].before for i in padded]))  # type: ignore[misc]
+            fn = functools.partial(self.decoder.hift_from_f0, context=context)
+            pcm, cycles = self._graphed(("hift", *shapes[idx[0]]), fn, last, *args)
             for j, i in enumerate(idx):
                 out[i] = pcm[j], cycles[j]
-        return [
-            s.settle(pcm, x, cycles, f)
-            for (s, _), x, (pcm, cycles), f in zip(calls, prepared, out, final, strict=True)  # type: ignore[misc]
-        ]
+        return [s.settle(pcm, x, cycles, final) for (s, _, final), x, (pcm, cycles) in zip(calls, xs, out, strict=True)]
+
+    def _passes(self, shapes: list[tuple]) -> list[list[int]]:
+        """The calls of each shape, in passes of at most `slot_count` rows (all at once without slots)."""
+        by: dict[tuple, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            by.setdefault(shape, []).append(i)
+        most = self.slot_count or len(shapes)
+        return [idx[a : a + most] for idx in by.values() for a in range(0, len(idx), most)]
+
+    def _rows(self, idx: list[int], last: bool) -> list[int]:
+        """A pass's rows: on CUDA padded to bucket(n) with copies of the last (a last call's pass runs eager)."""
+        n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
+        return idx + [idx[-1]] * (n - len(idx))
+
+    def _graphed(self, key: tuple, fn: Callable, last: bool, *args: Tensor) -> Any:
+        """fn(*args), on CUDA from a graph per key and lane, its outputs cloned out of the graph's pool;
+        a last call's (its frames vary) eager."""
+        if self.graphs is None or last:
+            return fn(*args)
+        got = self.graphs.call((*key, tuple(args[0].shape), torch.cuda.current_stream(args[0].device).priority), fn, *args)
+        return got.clone() if isinstance(got, Tensor) else tuple(t.clone() for t in got)
 
 
 class CodecSpeech:

@@ -271,7 +271,17 @@ class CodecDecoder(nn.Module):
         """HiFT calls of one shape, one a stream: mel [n, mels, context + F] (the first `context` frames only
         for the F0 predictor's reach), each stream's noise seed and first frame vocoded [n], the source's
         cycles before it [n, width] (None: at the utterance start) -> (PCM [n, F * hop], cycles [n, F, width])."""
-        f0 = self.hift.f0_predictor(mel)[:, context:]
+        return self.hift_from_f0(mel, self.hift_f0(mel, context=context), seeds, first, before, context=context)
+
+    def hift_f0(self, mel: Tensor, *, context: int = 0) -> Tensor:
+        """hift_calls' first part, the F0 predictor: f0 [n, F] of the vocoded frames (`codec.batch` makes every
+        call's first, to carry a stream's source phase from one of its calls to the next before the rest)."""
+        return self.hift.f0_predictor(mel)[:, context:]
+
+    def hift_from_f0(
+        self, mel: Tensor, f0: Tensor, seeds: Tensor, first: Tensor, before: Tensor | None = None, *, context: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """hift_calls' rest, from the calls' f0 [n, F]: each stream's NSF source, the network and the iSTFT."""
         source, cycles = self.source(f0, self.source.noise(seeds, first, f0.shape[1]), before)
         return self.hift.decode(mel[:, :, context:], source[:, None]), cycles
 

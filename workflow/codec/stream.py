@@ -231,6 +231,7 @@ class CodecStream:
     def _vocode(self, new: Tensor, final: bool) -> Tensor:
         """HiFT over [cached frames | new frames]; cross-fade the head, hold back the tail unless final."""
         x = self.prepare(new)
+        self.advance(x, final)
         seed, start = to_device(new.device, [[self.seed], [x.start]])
         before = None if x.before is None else x.before[None]
         pcm, cycles = self.decoder.hift_calls(x.mel[None], seed, start, before, context=x.context)
@@ -244,25 +245,31 @@ class CodecStream:
         first = end - mel.shape[1]
         return Excitation(mel, a - first, self.cycles, first, end)
 
+    def advance(self, x: Excitation, final: bool) -> None:
+        """Move the HiFT cache past call `x` (made by `prepare`) before its PCM is known: the frames vocoded
+        and, unless final, the next call's first frame and F0 context, which the next `prepare` reads. So
+        `codec.batch` prepares a stream's calls one after another and runs their HiFT in one pass."""
+        self.frames = x.end
+        if not final:
+            nxt = max(0, x.end - self.mel_cache)  # the next call's first frame
+            self.mel_tail = x.mel[:, max(0, nxt - F0_RADIUS - 1) - x.first :]
+            self.start = nxt
+
     def settle(self, pcm: Tensor, x: Excitation, cycles: Tensor, final: bool) -> Tensor:
-        """After HiFT's call `x` (its PCM, its source's cycles [F, width]): cross-fade the head with the held
-        tail, hold back the new tail unless final, move the cache on; the PCM now final."""
-        mel, first, end = x.mel, x.first, x.end
-        a, hop = self.start, self.decoder.cfg.hift.hop
+        """After HiFT's call `x` (its PCM, its source's cycles [F, width]), in the order of the stream's calls:
+        cross-fade the head with the held tail, hold back the new tail unless final; the PCM now final."""
+        a, hop = x.start, self.decoder.cfg.hift.hop
         n = self.held.numel()
         if n:  # the new head rises as the old tail falls, the two weights summing to 1
             up = self.fade if n == self.fade.numel() else rise(n, pcm.device)
             pcm[:n] = (pcm[:n] * up + self.held * (1 - up)).to(pcm.dtype)
-        self.frames = end
         if final:
             self.held = pcm[:0]
             return pcm
-        nxt = max(0, end - self.mel_cache)  # the next call's first frame
+        nxt = max(0, x.end - self.mel_cache)
         keep = (nxt - a) * hop
         self.held = pcm[keep:]
         self.cycles = cycles[nxt - a - 1] if nxt > 0 else None
-        self.mel_tail = mel[:, max(0, nxt - F0_RADIUS - 1) - first :]
-        self.start = nxt
         return pcm[:keep]
 
     def state(self) -> list[Tensor]:

@@ -26,7 +26,8 @@ Three ways to run it, on the same weights (random, of the preset's shape, or the
   solving only its new frames (as many as serving's calls: `CodecBatch.new_frames`), with the slots'
   kernels where `kernels` is on; at the batches up to `slots` (serving holds no more streams in slots);
   with `held` > 1 also "later, N held": N chunks a row solved in one call, as serving's held chunks are
-  (`CodecBatch.later_frames`); its HiFT is one chunk's, where serving runs one a chunk.
+  (`CodecBatch.later_frames`), and their HiFT calls, one a chunk, as rows of one pass, as serving runs them
+  (`CodecBatch.hift`: there F0 and the rest are two graphs, a stream's source phase carried between).
 
 `ttfa_ms`: one stream end to end at batch 1, the engine's prefill and decode steps to the first
 chunk's codes, then that chunk's decode as the benchmark's stream runs it (in a slot if `slots`):
@@ -178,6 +179,12 @@ class Runner:
         network and the iSTFT."""
         return self._replayed("hift", self.vocode)()
 
+    def hift_rows(self, calls: int) -> None:
+        """HiFT over `calls` chunk calls a stream, as rows of one pass (serving's held chunks)."""
+        rows = [x.repeat_interleave(calls, 0) for x in (self.mel, self.seeds, self.first, self.before)]
+        self.mel, self.seeds, self.first, self.before = rows
+        self.first += torch.arange(calls, device=self.first.device).repeat(len(self.first) // calls) * self.new
+
     @torch.no_grad()
     def vocode(self) -> torch.Tensor:
         return self.dec.hift_calls(self.mel, self.seeds, self.first, self.before, context=F0_RADIUS + 1)[0]
@@ -299,6 +306,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         held = t.held * cf
         for batch in (b for b in t.batches if b <= t.slots):
             slotted = SlotRunner(ours, voice, batch, calls["later"], graphs, max(new, held), cached["later"] - held + cf)
+            slotted.hift_rows(t.held)
             timed("ours, slots", f"later, {t.held} held", batch, calls["later"], slotted)
             del slotted  # its graphs go now, not inside another's capture (close)
     out = {
