@@ -100,6 +100,41 @@ def test_a_streams_waiting_calls_vocode_in_one_pass(decoder, voice, monkeypatch,
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+class GraphCalls:
+    """Stands in for the codec's CUDA graphs on the CPU: records each key and its rows, runs fn (the padded
+    rows, the keys and the outputs' cloning are what graphs add)."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple] = []
+
+    def call(self, key, fn, *args):
+        self.keys.append(key)
+        return fn(*args)
+
+
+def test_padded_passes_give_what_each_stream_gives_alone(decoder, voice, monkeypatch):
+    """The graphed path's bookkeeping on the CPU (its graphs stood in for): two streams send 21 codes at
+    once, then the rest, in 3 slots; every HiFT pass but a last call's has at most 3 rows, padded to
+    its bucket (here n + 1) with copies of its last, keyed by its shape and the lane, F0 and the rest
+    apart; each stream's PCM is its own alone."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Lane", (), {"priority": -1})())
+    g = torch.Generator().manual_seed(5)
+    codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
+    batch = CodecBatch(decoder, voice, bucket=lambda n: n + 1, slots=3, max_codes=40)
+    batch.graphs = graphs = GraphCalls()  # type: ignore[assignment]
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n, last in ((0, 21, False), (21, 5, True)):
+        pieces = [Piece(k, c[done : done + n], done, last) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    hift = [(k[0], k[-2][0]) for k in graphs.keys if k[0] in ("f0", "hift")]
+    passes = [("f0", 3), ("f0", 3), ("f0", 4), ("f0", 2)]  # first, second, and the later four rows as 3 + 1
+    assert hift == [*passes, *(("hift", n) for _, n in passes), ("f0", 3), ("hift", 3)]  # then the chunk (the last: eager)
+    assert all(k[-1] == -1 for k in graphs.keys)  # the lane's
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
 def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
     """The first PCM needs the first hop and the lookahead: for a 7-code prompt the 3 codes that end its last
     chunk (their 12 frames outnumber the 8 held back for the cross-fade), then 3: 6 codes, PCM of 4 frames."""
