@@ -161,6 +161,7 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     detok = CodecLanes(CodecBatch(decoder, voice, slots=slots, max_codes=20), torch.device("cpu"), time.perf_counter)
     assert detok.sample_rate == 24000 and detok.first_codes == 6 and not detok.lanes
     assert detok.warm(2, 5, 20) == 2 * 3 and not detok.batch.streams  # three pieces for each of buckets 1 and 2
+    assert detok.batch.pass_rows == 2  # a HiFT pass of held calls takes no more rows than warm made graphs for
     cfg = load.LoadConfig(closed=(2,), duration_s=1.0, reply_seconds=(1.0, 1.6), prompt_len=24, slots=4)
     levels, served = [], []
 

@@ -72,6 +72,7 @@ class CodecBatch:
         self.keys = KEYS  # the last key handed out by new_key
         self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
         self.slot_count, self.slot_frames, self.base, self.pages = slots, 0, 0, 0
+        self.pass_rows = slots  # the most rows a HiFT pass takes (0: all); `CodecLanes.warm`: the rows it made graphs for
         self.frames_a_call: tuple[int, ...] = ()  # with slots: the frames a row a solve takes, fewest first
         self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
         self.slot_of: dict[int, int] = {}  # each stream's slot
@@ -286,8 +287,8 @@ class CodecBatch:
         phase is then carried from one of its calls to the next (a running sum of that F0), and every
         call's NSF source (each continued from its own stream's) and network run at once: a stream's held
         chunks cost one pass, not one a chunk, and each call gives what it gives alone. Calls of one shape
-        (frames, F0 context, at a stream's start or not) go together, at most `slot_count` rows a pass
-        (the most `lanes.CodecLanes.warm` makes graphs for), each a graph on CUDA (a last call, of any
+        (frames, F0 context, at a stream's start or not) go together, at most `pass_rows` a pass (the
+        most `lanes.CodecLanes.warm` makes graphs for), each a graph on CUDA (a last call, of any
         length, eager); then each stream's cross-fades, in order."""
         xs = []
         for s, m, final in calls:  # each call's frames and F0 context, its stream moved past it
@@ -325,11 +326,11 @@ class CodecBatch:
         return [s.settle(pcm, x, cycles, final) for (s, _, final), x, (pcm, cycles) in zip(calls, xs, out, strict=True)]
 
     def _passes(self, shapes: list[tuple]) -> list[list[int]]:
-        """The calls of each shape, in passes of at most `slot_count` rows (all at once without slots)."""
+        """The calls of each shape, in passes of at most `pass_rows` rows."""
         by: dict[tuple, list[int]] = {}
         for i, shape in enumerate(shapes):
             by.setdefault(shape, []).append(i)
-        most = self.slot_count or len(shapes)
+        most = self.pass_rows or len(shapes)
         return [idx[a : a + most] for idx in by.values() for a in range(0, len(idx), most)]
 
     def _rows(self, idx: list[int], last: bool) -> list[int]:

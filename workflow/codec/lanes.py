@@ -91,6 +91,7 @@ class CodecLanes(Lanes):
                     self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
                     calls += 1
                 self([Piece(s, torch.zeros(0, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
+        batch.pass_rows = batch.bucket(rows)  # a HiFT pass of a stream's held calls too: no more rows than made here
         if self.lanes:
             torch.cuda.synchronize(self.device)
         return calls
