@@ -354,6 +354,46 @@ def test_a_held_chunk_goes_sooner_when_its_playback_is_near(tiny_engine_dir, sla
         assert late > 0 and [len(d) for d, _ in sent[1:]] == [5, 2]
 
 
+@pytest.mark.parametrize("first", [False, True])
+def test_later_chunks_wait_while_a_stream_awaits_its_first_audio(tiny_engine_dir, first):
+    """`first_audio_first`: stream 1 speaks 8 x faster than it plays; stream 2 arrives later, and its first
+    chunk's PCM takes 0.1 s of the clock. Meanwhile stream 1's later chunks, far from due, wait (with
+    it off they go as made); once stream 2's first PCM is ready they go together. Neither underruns. It
+    needs a slack: without one a held chunk could wait past its due time."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    now, sent = [0.0], []
+
+    def detokenize(pieces, urgent):
+        at = now[0] + (0.1 if urgent and pieces[0].stream == 2 else 0.0)
+        sent.append((now[0], [(p.stream, p.done) for p in pieces], urgent))
+        return (lambda wait: at if wait or now[0] >= at else None), [len(p.codes) for p in pieces]
+
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, detokenize_slack_s=0.3, first_audio_first=first,
+                      sampling=Sampling(greedy=True))  # fmt: skip
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
+    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=40, reply_codes=40) for i in (1, 2)]
+    sched.submit(reqs[0])
+    for it in range(200):
+        if it == 12:
+            sched.submit(reqs[1])
+        if sched.idle():
+            break
+        sched.iterate()
+        now[0] += 0.01
+    sched.flush()
+    first_pcm = reqs[1].ttfa_s  # its arrival: 0 (the scheduler's clock starts there)
+    waiting = [t for t, chunks, urgent in sent if not urgent and 0.12 <= t < first_pcm and any(k == 1 for k, _ in chunks)]
+    assert 0.22 < first_pcm < 0.3 and all(r.error is None and r.stamped for r in reqs)  # its first chunk, + 0.1 s
+    assert (not waiting) == first  # stream 1's later chunks sent while stream 2 awaited its first PCM
+    if first:  # then they go together, at the first iteration that sees it ready
+        after = next(chunks for t, chunks, urgent in sent if not urgent and t >= first_pcm)
+        assert len([k for k, _ in after if k == 1]) > 1
+    assert all(load.underruns(r, 12.5)[0] == 0 for r in reqs)
+    with pytest.raises(ValueError, match="needs detokenize_slack_s"):
+        Scheduler(engine, ids, ServeConfig(first_audio_first=True))
+
+
 @pytest.mark.parametrize("detok_cap,cfg_cap,cap", [(2, 0, 2), (0, 3, 3), (3, 2, 2), (0, 0, 4)])
 def test_no_more_streams_open_than_the_detokenizer_serves(tiny_engine_dir, detok_cap, cfg_cap, cap):
     """A stream is open from its admission until its last chunk is sent, and at most `max_streams`

@@ -58,6 +58,7 @@ class LoadConfig:
     detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (ServeConfig)
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds (ServeConfig)
+    first_audio_first: bool = False  # later chunks wait while a stream awaits its first audio, but those due soon (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
     seed: int = 9101
     search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
@@ -175,7 +176,8 @@ def run_level(
     serve = ServeConfig(
         chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
         detokenize_batches=cfg.detokenize_batches, detokenize_hold=cfg.detokenize_hold, detokenize_slack_s=cfg.detokenize_slack_s,
-        first_chunks_apart=cfg.first_chunks_apart, max_streams=cfg.slots, sampling=sampling,
+        first_audio_first=cfg.first_audio_first, first_chunks_apart=cfg.first_chunks_apart, max_streams=cfg.slots,
+        sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate = pcm_rate(detokenize)

@@ -27,7 +27,9 @@ One thread owns the engine. Each `iterate`:
    until that many do: the codec decoder decodes them in one flow call for nearly the cost of one,
    and a stream far ahead of its playback can afford the wait; with `detokenize_slack_s` they go
    sooner once the first of them would play within that many seconds (its playback counted from
-   the stream's first PCM), so that a larger hold cannot starve playback. With `first_chunks_apart`, a
+   the stream's first PCM), so that a larger hold cannot starve playback; with `first_audio_first` they
+   all wait (but for those due within the slack) while a speaking stream's first PCM is not ready, so
+   that its first chunk does not share the device with them. With `first_chunks_apart`, a
    stream's chunks go at once, as a batch of their own on the detokenizer's urgent lane, until the
    PCM its earlier chunks made covers one chunk's audio: time to first audio waits on the first,
    and while less than a chunk's audio is in hand (the codec decoder's first PCM is 80-400 ms) the
@@ -107,6 +109,7 @@ class ServeConfig:
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds
+    first_audio_first: bool = False  # speaking streams' later chunks wait while one awaits its first audio (slack: above)
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
     max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
     sampling: Sampling = field(default_factory=Sampling)
@@ -122,6 +125,8 @@ class Scheduler:
         clock: Callable[[], float] = time.perf_counter,
         generator: torch.Generator | None = None,
     ):
+        if cfg.first_audio_first and not cfg.detokenize_slack_s:
+            raise ValueError("first_audio_first needs detokenize_slack_s > 0: the later chunks it holds go once due within it")
         self.engine, self.ids, self.cfg = engine, ids, cfg
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
@@ -222,8 +227,13 @@ class Scheduler:
         if due:
             waiting = Counter(c[0].rid for c in self.outbox)
             speaking = {r.rid for r in self.streams.values()} if hold else set()
-            held = self.cfg.detokenize_hold
+            held = self.cfg.detokenize_hold if not self._first_audio_waits() else 1 << 62  # then: only those due soon
             self._send_where(lambda req: req.rid not in speaking or waiting[req.rid] >= held or self._due_soon(req), urgent=False)
+
+    def _first_audio_waits(self) -> bool:
+        """With `first_audio_first`: whether a speaking stream's first PCM is not yet ready (its first chunk
+        then has the device's detokenizer time to itself, but for chunks due within the slack)."""
+        return self.cfg.first_audio_first and any(r.ttfa_s is None for r in self.streams.values())
 
     def _due_soon(self, req: Request) -> bool:
         """With `detokenize_slack_s`: whether the stream's next chunk plays within that slack: after the
