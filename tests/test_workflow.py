@@ -72,6 +72,10 @@ def test_bad_source_fails_before_any_job(tmp_path):
     [
         ("benchmark={vocoder: {overlap: maybe}}", "config: benchmark.vocoder.overlap: 'maybe' is not of type 'boolean'"),
         ("benchmark={runs: 0}", "config: benchmark.runs: 0 is less than the minimum of 1"),
+        (  # the later chunks it holds go once due within the slack: without one they could wait past due
+            "benchmark={load: {first_audio_first: true}}",
+            "config: benchmark.load.detokenize_slack_s: 0 is less than or equal to the minimum of 0",
+        ),
     ],
 )
 def test_a_value_the_schema_refuses_is_one_line_naming_the_key(tmp_path, setting, line):
