@@ -227,12 +227,14 @@ class Scheduler:
         if due:
             waiting = Counter(c[0].rid for c in self.outbox)
             speaking = {r.rid for r in self.streams.values()} if hold else set()
-            held = self.cfg.detokenize_hold if not self._first_audio_waits() else 1 << 62  # then: only those due soon
-            self._send_where(lambda req: req.rid not in speaking or waiting[req.rid] >= held or self._due_soon(req), urgent=False)
+            held = self.cfg.detokenize_hold if not self._first_audio_waits() else None  # None: only those due soon go
+            self._send_where(
+                lambda req: req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or self._due_soon(req),
+                urgent=False,
+            )
 
     def _first_audio_waits(self) -> bool:
-        """With `first_audio_first`: whether a speaking stream's first PCM is not yet ready (its first chunk
-        then has the device's detokenizer time to itself, but for chunks due within the slack)."""
+        """With `first_audio_first`: whether a speaking stream's first PCM is not yet ready."""
         return self.cfg.first_audio_first and any(r.ttfa_s is None for r in self.streams.values())
 
     def _due_soon(self, req: Request) -> bool:
