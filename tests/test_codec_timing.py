@@ -97,6 +97,9 @@ def test_codec_settings_name_what_is_wrong():
         CodecTiming.from_dict({"preset": "huge"})
     with pytest.raises(ValueError, match="later_codes: 22 is not a multiple of the chunk"):
         CodecTiming.from_dict({"later_codes": 22})  # the later call would end off the chunk grid
+    with pytest.raises(ValueError, match="later_codes: 20 codes hold fewer than the 8 chunks"):
+        CodecTiming.from_dict({"later_codes": 20, "slots": 2, "held": 8})  # the held call would start in the voice prompt
+    assert CodecTiming.from_dict({"later_codes": 40, "slots": 2, "held": 8}).held == 8
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

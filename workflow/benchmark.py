@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = check_built_from(args.engine, args.ckpt)
     concurrency = sorted(p["concurrency"])
     load_cfg = LoadConfig.from_dict(p["load"]) if p.get("load") else None
+    held = load_cfg.detokenize_hold if load_cfg else 1  # serving's held chunks: their one-round call timed too
+    timing = dataclasses.replace(CodecTiming.from_dict(p["codec"]), held=held) if p.get("codec") else None
     device, spec = torch.device(meta["options"].device), ModelSpec(**meta["spec"])
     ids = Ids.of(spec)
     dtype = getattr(torch, meta["options"].dtype)
@@ -332,12 +334,10 @@ def main(argv: list[str] | None = None) -> None:
         "text branch reads it not at all: its floor leaves it out); prefill: matmul FLOPs / measured bf16 "
         "(CPU: float32) matmul rate. FP8 prefill could run twice the bf16 rate: its floor here is the bf16 one.",
     }
-    if p.get("codec"):  # the codec's stage costs, before the load: its timing graphs hold tens of GB until freed
+    if timing:  # the codec's stage costs, before the load: its timing graphs hold tens of GB until freed
         t0 = time.perf_counter()
         idle()  # and the flow slots' tens of GB go meanwhile
         prompt = traffic.speech_prompt(1, p["prompt_len"], ids, seed=0)
-        held = load_cfg.detokenize_hold if load_cfg else 1  # serving's held chunks: their one-round call timed too
-        timing = dataclasses.replace(CodecTiming.from_dict(p["codec"]), held=held)
         b["codec"] = codec_timing.measure(timing, device, first_codes(engine, prompt, ids))
         if device.type == "cuda":
             torch.cuda.empty_cache()

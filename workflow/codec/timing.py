@@ -78,6 +78,14 @@ class CodecTiming:
     pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
 
+    def __post_init__(self) -> None:
+        chunk = PRESETS[self.preset]().chunk
+        if self.slots and self.held * chunk > self.later_codes:  # the held call's chunks end where the later call does
+            raise ValueError(
+                f"benchmark.codec.later_codes: {self.later_codes} codes hold fewer than the {self.held} chunks "
+                f"({self.held * chunk} codes) that load.detokenize_hold holds: raise it to {self.held * chunk} or more"
+            )
+
     @classmethod
     def from_dict(cls, d: dict) -> CodecTiming:
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
