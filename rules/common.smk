@@ -42,7 +42,8 @@ def schema_problem(error):
         return str(error)
     keys = [str(k) for k in cause.absolute_path]
     where = f"{'.'.join(keys)}: " if keys else ""
-    return f"config: {where}{cause.message}"
+    why = cause.schema.get("description") if cause.validator == "anyOf" else None  # anyOf's own message names nothing
+    return f"config: {where}{cause.instance!r}: {why}" if why else f"config: {where}{cause.message}"
 
 
 config.update(typed(config))

@@ -14,7 +14,8 @@ from workflow.generate import Ids, Sampling
 from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, greedy_reference
 from workflow.serve import load
-from workflow.serve.scheduler import Request, Scheduler, ServeConfig
+from workflow.serve.request import Request, ServeConfig
+from workflow.serve.scheduler import Scheduler
 from workflow.spec import PRESETS, load_spec
 
 GREEDY = ServeConfig(chunk_tokens=3, prefill_tokens=64, hold_speech=False, sampling=Sampling(greedy=True))
@@ -394,6 +395,74 @@ def test_later_chunks_wait_while_a_stream_awaits_its_first_audio(tiny_engine_dir
         Scheduler(engine, ids, ServeConfig(first_audio_first=True))
 
 
+def paced(engine, pace: float, second_at: float | None = None) -> tuple[list[Request], list[tuple[float, int]], bool]:
+    """Stream 1 (60 codes: 4.8 s of audio), and stream 2 arriving at `second_at`, served on a clock of
+    10 ms an iteration (racing: 8 x real time), with `pace` and a lead of 0.4 s; the detokenizer is ready
+    at once, a code's PCM a "sample". Returns the requests, (time, stream 1's codes) at each iteration
+    that decoded, and whether any iteration waited (iterate False while wait_s > 0)."""
+    ids = Ids.of(engine.spec)
+    now = [0.0]
+
+    def detokenize(pieces, urgent):
+        at = now[0]
+        return (lambda wait: at), [len(p.codes) for p in pieces]
+
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, pace=pace, pace_lead_s=0.4, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
+    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=60, reply_codes=60, t_arrival=0.0) for i in (1, 2)]
+    sched.submit(reqs[0])
+    made, waited = [], False
+    while not sched.idle() or (second_at is not None and reqs[1].slot is None):
+        if second_at is not None and reqs[1].slot is None and now[0] >= second_at and reqs[1] not in sched.queue:
+            reqs[1].t_arrival = now[0]
+            sched.submit(reqs[1])
+        waits = sched.wait_s() > 0
+        decoded = sched.iterate()
+        assert decoded != waits
+        waited |= waits
+        if decoded:
+            made.append((now[0], len(reqs[0].codes)))
+        now[0] += 0.01
+        assert now[0] < 10
+    sched.flush()
+    return reqs if second_at is not None else reqs[:1], made, waited
+
+
+@pytest.mark.parametrize("pace", [0, 2])
+def test_a_paced_stream_is_made_at_pace_times_real_time_past_a_lead(tiny_engine_dir, pace):
+    """`pace`: once its first PCM is ready, a stream is decoded only while the audio its codes make is
+    under lead + pace x its playback so far: it never runs more than a code past that, never runs out,
+    and its 4.8 s reply is made in about (4.8 - 0.4) / 2 s from its first PCM, not 0.6 s; its codes are
+    the unpaced stream's (a pause leaves its cache as it was). Without pace no iteration waits."""
+    engine = load_engine(tiny_engine_dir)
+    (req,), made, waited = paced(engine, pace)
+    (alone,), _, _ = paced(load_engine(tiny_engine_dir), 0)
+    start = req.playback_start
+    assert req.error is None and req.stamped and req.codes == alone.codes and load.underruns(req, 12.5)[0] == 0
+    assert waited == bool(pace)
+    last = next(t for t, n in made if n == 60)  # when its last code was sampled
+    if pace:
+        assert all(n <= (0.4 + pace * max(0.0, t - start)) / 0.08 + 1 for t, n in made if t >= start)
+        assert abs(last - start - (4.8 - 0.4) / pace) < 0.1
+    else:
+        assert last - start < 0.65
+
+
+def test_a_stream_awaiting_its_first_audio_is_decoded_at_once_beside_paced_ones(tiny_engine_dir):
+    """Stream 2 arrives while stream 1 is paced: it is decoded every iteration until its first PCM (its
+    time to first audio what it is alone), and stream 1, stepped with it, gets a code each iteration
+    meanwhile."""
+    reqs, made, _ = paced(load_engine(tiny_engine_dir), 2, second_at=1.0)
+    (alone,), _, _ = paced(load_engine(tiny_engine_dir), 0)
+    assert all(r.error is None and r.stamped and load.underruns(r, 12.5)[0] == 0 for r in reqs)
+    assert reqs[1].ttfa_s == pytest.approx(alone.ttfa_s, abs=0.015)
+    racing = [n for t, n in made if reqs[1].t_arrival <= t < reqs[1].playback_start]
+    assert len(racing) >= 2 and racing == list(range(racing[0], racing[0] + len(racing)))  # a code each 10 ms
+    assert len([t for t, _ in made if 0.5 <= t < 1.0]) < 25  # before it, stream 1 paced: not one each 10 ms
+    with pytest.raises(ValueError, match=r"pace 0\.5 is under 1"):
+        ServeConfig(pace=0.5)
+
+
 @pytest.mark.parametrize("detok_cap,cfg_cap,cap", [(2, 0, 2), (0, 3, 3), (3, 2, 2), (0, 0, 4)])
 def test_no_more_streams_open_than_the_detokenizer_serves(tiny_engine_dir, detok_cap, cfg_cap, cap):
     """A stream is open from its admission until its last chunk is sent, and at most `max_streams`
@@ -535,6 +604,21 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
     made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
     assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0 and made["seconds"] >= 0
+
+
+def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):
+    """The load's loop with `pace` 2 (its lead 0.4 s): every request served with no underrun, and each
+    reply's codes made over (its audio - 0.4 s) / 2 from its first PCM, the loop sleeping meanwhile,
+    where unpaced the tiny engine makes them in a fraction of that."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    cfg = load.LoadConfig(closed=(2,), duration_s=1.5, reply_seconds=(1.2, 2.0), prompt_len=24, slots=4, pace=2, pace_lead_s=0.4)
+    level = load.Level(cfg, "closed", 2, ids, torch.Generator().manual_seed(5))
+    result, done = load.run_level(engine, None, __import__("time").perf_counter, level, 5, Sampling(), progress=False)
+    assert result["served"] == result["requests"] > 0 and result["underruns"] == 0
+    for req in done:
+        paced_s = (len(req.codes) * 0.08 - 0.4) / 2
+        assert req.chunk_ready[-1] - req.playback_start > 0.9 * paced_s
 
 
 def test_load_config_names_an_unknown_key():

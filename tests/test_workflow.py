@@ -76,6 +76,10 @@ def test_bad_source_fails_before_any_job(tmp_path):
             "benchmark={load: {first_audio_first: true}}",
             "config: benchmark.load.detokenize_slack_s: 0 is less than or equal to the minimum of 0",
         ),
+        (  # a stream paced slower than it plays would run out of audio
+            "benchmark={load: {pace: 0.5}}",
+            "config: benchmark.load.pace: 0.5: 0 (off) or at least 1: a stream made slower than it plays runs out",
+        ),
     ],
 )
 def test_a_value_the_schema_refuses_is_one_line_naming_the_key(tmp_path, setting, line):

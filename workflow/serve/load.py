@@ -39,8 +39,11 @@ from workflow import traffic
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
-from workflow.serve.scheduler import Detokenize, Request, Scheduler, ServeConfig, pcm_rate
+from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
+from workflow.serve.scheduler import Scheduler
 from workflow.vocoder import SECONDS_PER_TOKEN
+
+PACE_POLL_S = 0.002  # with pace: the loop's sleep at most, while no stream needs decoding
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class LoadConfig:
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds (ServeConfig)
     first_audio_first: bool = False  # later chunks wait while a stream awaits its first audio, but those due soon (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
+    pace: float = 0.0  # >= 1: a stream past its first PCM decoded only to this many times real time (ServeConfig; 0: off)
+    pace_lead_s: float = 1.0  # with pace: the audio kept ahead of that (ServeConfig)
     seed: int = 9101
     search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
     search_max: int = 256  # the most users the search offers
@@ -177,7 +182,7 @@ def run_level(
         chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
         detokenize_batches=cfg.detokenize_batches, detokenize_hold=cfg.detokenize_hold, detokenize_slack_s=cfg.detokenize_slack_s,
         first_audio_first=cfg.first_audio_first, first_chunks_apart=cfg.first_chunks_apart, max_streams=cfg.slots,
-        sampling=sampling,
+        pace=cfg.pace, pace_lead_s=cfg.pace_lead_s, sampling=sampling,
     )  # fmt: skip
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate = pcm_rate(detokenize)
@@ -204,11 +209,13 @@ def run_level(
         if sched.idle():
             time.sleep(max(0.0, min(pending[0] - clock(), 0.05)) if pending else 0.0)
             continue
+        if (wait := sched.wait_s()) > 0:  # every stream ahead of its pace: chunks and stamps still looked at
+            time.sleep(min(wait, PACE_POLL_S))
         t_iter = clock()
-        sched.iterate()
+        decoded = sched.iterate()
         busy += clock() - t_iter
-        iterations += 1
-        active_sum += len(sched.streams)
+        iterations += decoded
+        active_sum += len(sched.streams) if decoded else 0
         peak = max(peak, sched.streams_open())
         if progress and clock() - last_print > 2.0:
             last_print = clock()

@@ -15,7 +15,13 @@ One thread owns the engine. Each `iterate`:
 3. retires streams that are done (their codes spoken, a stop id, their step budget) or that
    failed (non-finite logits), freeing their slots at once;
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
-   (`need_text` per slot), each at its own position;
+   (`need_text` per slot), each at its own position. With `pace`, not while every stream is ahead:
+   once its first PCM is ready, a stream needs decoding only while the audio its codes make is less
+   than `pace_lead_s` + `pace` x the time since (`Request.decode_due_at`). The engine steps every
+   stream at once, so the stream furthest behind sets the steps' rate (pace x 12.5 a second, and at
+   once while some stream awaits its first audio). A reply made at pace x real time rather than
+   as fast as the device goes keeps its stream open longer, so more streams share each step and
+   each detokenizer call; an open stream holds its slot, and the codec decoder's pages, meanwhile;
 5. while the device decodes, sends the streams' finished chunks (K codes each, the first as many
    as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`: its stream, the
    codes before it, whether it is the last) to the detokenizer, as one batch across streams. The
@@ -50,69 +56,15 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from workflow.detokenize import Piece, Ready, chunk_due
 from workflow.engines.base import Engine, to_device
-from workflow.generate import Ids, Sampling, advance, audio_mode_after, sample_step
+from workflow.generate import Ids, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
+from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
 from workflow.vocoder import SECONDS_PER_TOKEN
-
-Detokenize = Callable[[list[Piece], bool], tuple[Ready, list[int]]]  # (pieces, urgent) -> (ready, samples each made final)
-
-
-def pcm_rate(detokenize: Detokenize | None) -> float:
-    """The detokenizer's PCM samples a second; with none, the scheduler counts a code as a sample."""
-    return getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
-
-
-@dataclass
-class Request:
-    """One spoken reply to make. The scheduler fills in what happened to it."""
-
-    rid: int
-    prompt: torch.Tensor  # [T, 2] (text id, audio id)
-    max_steps: int  # tokens to generate at most
-    reply_codes: int | None = None  # audio codes to speak, then done; with hold_speech, end-of-speech waits for them
-    t_arrival: float = 0.0
-    slot: int | None = None
-    t_admit: float | None = None
-    tokens: list[tuple[int, int]] = field(default_factory=list)  # fed back after each step
-    modes: list[bool] = field(default_factory=list)  # the mode each was sampled in (True: audio)
-    codes: list[int] = field(default_factory=list)
-    chunk_ready: list[float] = field(default_factory=list)  # filled in when known: see `stamped`
-    chunk_codes: list[int] = field(default_factory=list)  # of each chunk made
-    chunk_samples: list[int] = field(default_factory=list)  # PCM each chunk sent made final (0: none yet)
-    error: str | None = None  # refused, cancelled, or failed; None: served
-    finished: bool = False
-
-    @property
-    def ttfa_s(self) -> float | None:
-        """Arrival to the first chunk with PCM being ready (a detokenizer with lookahead gives none for the first codes)."""
-        first = next((t for t, n in zip(self.chunk_ready, self.chunk_samples, strict=False) if n), None)
-        return None if first is None else first - self.t_arrival
-
-    @property
-    def stamped(self) -> bool:
-        """Whether every chunk made has its ready time."""
-        return len(self.chunk_ready) == len(self.chunk_codes)
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    chunk_tokens: int = 5
-    prefill_tokens: int = 2048  # prompt tokens admitted per iteration (one prompt at least)
-    when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
-    hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
-    detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
-    detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
-    detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds
-    first_audio_first: bool = False  # speaking streams' later chunks wait while one awaits its first audio (slack: above)
-    first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
-    max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
-    sampling: Sampling = field(default_factory=Sampling)
 
 
 class Scheduler:
@@ -125,8 +77,6 @@ class Scheduler:
         clock: Callable[[], float] = time.perf_counter,
         generator: torch.Generator | None = None,
     ):
-        if cfg.first_audio_first and not cfg.detokenize_slack_s:
-            raise ValueError("first_audio_first needs detokenize_slack_s > 0: the later chunks it holds go once due within it")
         self.engine, self.ids, self.cfg = engine, ids, cfg
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
@@ -189,13 +139,17 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.streams and not self.queue
 
-    def iterate(self) -> None:
-        """One admission, sampling, retirement, decode step and detokenization (module docstring)."""
+    def iterate(self) -> bool:
+        """One admission, sampling, retirement, decode step and detokenization (module docstring);
+        whether it decoded (with `pace`, not while every stream is ahead of it: `wait_s`)."""
         self._stamp(wait=False)
         self._admit()
         if not self.streams:
             self._send(due=True)
-            return
+            return False
+        if self.wait_s() > 0:
+            self._send(due=self._batch_free())
+            return False
         slots, tokens, failed = self._sample()
         for req, codes, done, last in self._chunks(slots):  # before retirement: a stream that ends sends its last codes
             req.chunk_codes.append(len(codes))
@@ -210,7 +164,20 @@ class Scheduler:
             with self.phases("decode"):
                 text, audio = self.engine.step(going, tokens[to_device(tokens.device, keep)], [not self.mode[s] for s in going])
             self.logits = (going, text, audio)
-        self._send(due=sum(not urgent for _, _, urgent in self.unready) < self.cfg.detokenize_batches)
+        self._send(due=self._batch_free())
+        return True
+
+    def wait_s(self) -> float:
+        """Seconds until a speaking stream must be decoded (`pace`: each one's `Request.decode_due_at`);
+        0 when one must be now, or a queued request may be admitted, or there is no stream."""
+        if not self.cfg.pace or not self.streams or (self.queue and self._free_slots()):
+            return 0.0
+        due = min(r.decode_due_at(self.cfg.pace, self.cfg.pace_lead_s) for r in self.streams.values())
+        return max(0.0, due - self.clock())
+
+    def _batch_free(self) -> bool:
+        """Whether fewer than `detokenize_batches` batches of later chunks are running."""
+        return sum(not urgent for _, _, urgent in self.unready) < self.cfg.detokenize_batches
 
     def flush(self) -> None:
         """Send what waits, then wait for the detokenizer and the device: every chunk made is
@@ -243,8 +210,8 @@ class Scheduler:
         if not self.cfg.detokenize_slack_s:
             return False
         now = self.clock()
-        first = next((t for t, n in zip(req.chunk_ready, req.chunk_samples, strict=False) if n), now)
-        return first + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
+        start = req.playback_start
+        return (now if start is None else start) + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
 
     def _send_where(self, goes: Callable[[Request], bool], urgent: bool) -> None:
         """The waiting chunks whose request `goes`, in one batch; the rest keep waiting."""

@@ -1,0 +1,89 @@
+"""A request to serve, what the scheduler records of it, and the settings of the loop that serves it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from workflow.detokenize import Piece, Ready
+from workflow.generate import Sampling
+from workflow.vocoder import SECONDS_PER_TOKEN
+
+Detokenize = Callable[[list[Piece], bool], tuple[Ready, list[int]]]  # (pieces, urgent) -> (ready, samples each made final)
+
+
+def pcm_rate(detokenize: Detokenize | None) -> float:
+    """The detokenizer's PCM samples a second; with none, the scheduler counts a code as a sample."""
+    return getattr(detokenize, "sample_rate", 1 / SECONDS_PER_TOKEN)
+
+
+@dataclass
+class Request:
+    """One spoken reply to make. The scheduler fills in what happened to it."""
+
+    rid: int
+    prompt: torch.Tensor  # [T, 2] (text id, audio id)
+    max_steps: int  # tokens to generate at most
+    reply_codes: int | None = None  # audio codes to speak, then done; with hold_speech, end-of-speech waits for them
+    t_arrival: float = 0.0
+    slot: int | None = None
+    t_admit: float | None = None
+    tokens: list[tuple[int, int]] = field(default_factory=list)  # fed back after each step
+    modes: list[bool] = field(default_factory=list)  # the mode each was sampled in (True: audio)
+    codes: list[int] = field(default_factory=list)
+    chunk_ready: list[float] = field(default_factory=list)  # filled in when known: see `stamped`
+    chunk_codes: list[int] = field(default_factory=list)  # of each chunk made
+    chunk_samples: list[int] = field(default_factory=list)  # PCM each chunk sent made final (0: none yet)
+    error: str | None = None  # refused, cancelled, or failed; None: served
+    finished: bool = False
+
+    @property
+    def playback_start(self) -> float | None:
+        """When the first chunk with PCM was ready (a detokenizer with lookahead gives none for the first
+        codes): its playback starts there. None while not known."""
+        return next((t for t, n in zip(self.chunk_ready, self.chunk_samples, strict=False) if n), None)
+
+    @property
+    def ttfa_s(self) -> float | None:
+        """Arrival to the first chunk with PCM being ready."""
+        start = self.playback_start
+        return None if start is None else start - self.t_arrival
+
+    def decode_due_at(self, pace: float, lead_s: float) -> float:
+        """With pace > 0: the time from which this stream must be decoded again, so that the audio its codes
+        make stays at least lead_s + pace x its playback so far ahead of its playback's start; -inf (now)
+        while that start is not known, and without pace."""
+        start = self.playback_start
+        if not pace or start is None:
+            return float("-inf")
+        return start + (len(self.codes) * SECONDS_PER_TOKEN - lead_s) / pace
+
+    @property
+    def stamped(self) -> bool:
+        """Whether every chunk made has its ready time."""
+        return len(self.chunk_ready) == len(self.chunk_codes)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    chunk_tokens: int = 5
+    prefill_tokens: int = 2048  # prompt tokens admitted per iteration (one prompt at least)
+    when_full: str = "queue"  # queue | refuse: a request arriving while every slot is busy
+    hold_speech: bool = True  # end-of-speech is suppressed until a stream has its reply_codes
+    detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
+    detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
+    detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds
+    first_audio_first: bool = False  # speaking streams' later chunks wait while one awaits its first audio (slack: above)
+    first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
+    max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
+    pace: float = 0.0  # >= 1: once its first PCM is ready, a stream is decoded only to pace x real time (0: at once)
+    pace_lead_s: float = 1.0  # with pace: the audio a stream keeps ahead of that, from its playback's start
+    sampling: Sampling = field(default_factory=Sampling)
+
+    def __post_init__(self) -> None:
+        if self.first_audio_first and not self.detokenize_slack_s:
+            raise ValueError("first_audio_first needs detokenize_slack_s > 0: the later chunks it holds go once due within it")
+        if 0 < self.pace < 1:
+            raise ValueError(f"pace {self.pace:g} is under 1: a stream made slower than it plays runs out; use 0 (off) or >= 1")
