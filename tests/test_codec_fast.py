@@ -12,6 +12,7 @@ from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConditionalDecoder, Past, attention_mask
 from workflow.codec.fast import ALIGN, FastEstimator, attention_bias
+from workflow.codec.solver import cosine_schedule
 
 TINY = CodecConfig.tiny()
 CHUNK = TINY.chunk * TINY.encoder.stride
@@ -103,6 +104,32 @@ def test_the_decoder_solves_with_the_fast_pass_unless_official():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+def test_a_solve_makes_every_steps_time_inputs_once_with_the_same_mel():
+    """The fast pass offers `time_inputs`: a solve makes every ODE step's resnet time inputs in one
+    call before the first step (they depend on the step's time alone), and gets the mel each pass
+    making its own gives, and the official forward's."""
+    torch.manual_seed(0)
+    dec = CodecDecoder(TINY).eval()
+    official = CodecDecoder(TINY, official=True).eval()
+    official.load_state_dict(dec.state_dict())
+    g = torch.Generator().manual_seed(2)
+    voice = VoicePrompt(torch.randint(0, 16384, (10,), generator=g), torch.randn(80, 40, generator=g), torch.randn(192))
+    codes = torch.randint(0, 16384, (13,), generator=g)
+    made = []
+    ahead = dec.velocity.time_inputs
+    dec.velocity.time_inputs = lambda t: made.append(t.clone()) or ahead(t)  # type: ignore[method-assign]
+    with torch.inference_mode():
+        got = dec.mel(codes, voice, streaming=True, finalize=False)
+        dec.velocity.time_inputs = None  # type: ignore[method-assign, assignment]  # each pass makes its own
+        per_pass = dec.mel(codes, voice, streaming=True, finalize=False)
+        want = official.mel(codes, voice, streaming=True, finalize=False)
+    steps = TINY.solver.steps
+    assert len(made) == 1 and made[0].shape == (steps,)  # one call a solve, every step's time
+    torch.testing.assert_close(made[0], cosine_schedule(steps)[:-1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, per_pass, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
 )
@@ -140,11 +167,11 @@ def test_compiled_blocks_stay_compiled_at_every_shape_serving_makes(wrap):
         for rows in (2, 4, 1):  # as serving meets them: one stream (2 rows with guidance), more, a lone row (no guidance)
             for r in mods:
                 cin = r.block1.block[0].in_channels
-                x, temb = torch.randn(rows, 5, cin, generator=g), torch.randn(rows, 16, generator=g)
+                x, time = torch.randn(rows, 5, cin, generator=g), torch.randn(1, 8, generator=g)  # a solve's: one row
                 tails = (torch.randn(rows, 2, cin, generator=g), torch.randn(rows, 2, 8, generator=g))
                 with torch.no_grad():
-                    got = block(r, x, temb, tails, torch.full((rows,), 3))
-                    want = slots.resnet(r, x, temb, tails, torch.full((rows,), 3))
+                    got = block(r, x, time, tails, torch.full((rows,), 3))
+                    want = slots.resnet(r, x, time, tails, torch.full((rows,), 3))
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):

@@ -274,10 +274,10 @@ class CausalConditionalDecoder(nn.Module):
         self.load_state_dict(own, strict=strict)
 
     def inputs(
-        self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor | None, cond: Tensor | None, streaming: bool, past: Past | None
-    ) -> tuple[Tensor, list[Tensor]]:
-        """A pass's time embedding [B, 4C] and its input's parts [B, C_i, T] in the order its first layer
-        reads them (x, mu, spks broadcast over time, cond); a past only with chunk masks."""
+        self, x: Tensor, mu: Tensor, spks: Tensor | None, cond: Tensor | None, streaming: bool, past: Past | None
+    ) -> list[Tensor]:
+        """A pass's input's parts [B, C_i, T] in the order its first layer reads them (x, mu, spks
+        broadcast over time, cond); a past only with chunk masks."""
         if past is not None and not (streaming and self.chunk_frames > 0):
             raise ValueError("a past needs chunk masks (streaming with a chunk-trained estimator)")
         parts = [x, mu]
@@ -285,7 +285,22 @@ class CausalConditionalDecoder(nn.Module):
             parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         if cond is not None:
             parts.append(cond)
-        return self.time_mlp(sinusoidal(t, self.cfg.in_channels)), parts
+        return parts
+
+    def time_embedding(self, t: Tensor) -> Tensor:
+        """t [N] -> [N, 4C]: what every resnet's time MLP reads."""
+        return self.time_mlp(sinusoidal(t, self.cfg.in_channels))
+
+    def resnets(self) -> list[CausalResnetBlock1D]:
+        """The resnets in the order a pass meets them: down, mid, up."""
+        return [level[0] for blocks in (self.down_blocks, self.mid_blocks, self.up_blocks) for level in blocks]
+
+    def resnet_times(self, t: Tensor) -> list[Tensor]:
+        """t [N] -> each resnet's time input [N, C] (its time MLP over the time embedding), in `resnets`
+        order. The fast passes take them made ahead (fast.py, `FastEstimator.time_inputs`): a solve makes
+        every ODE step's at once, since they depend on t alone."""
+        temb = F.mish(self.time_embedding(t))  # the first op of every resnet's time MLP, once
+        return [F.linear(temb, r.mlp[1].weight, r.mlp[1].bias) for r in self.resnets()]
 
     def forward(
         self,
@@ -301,7 +316,7 @@ class CausalConditionalDecoder(nn.Module):
         """x, mu, cond [B, 80, T]; mask [B, 1, T]; t [B]; spks [B, 80] -> velocity [B, 80, T] (zero where masked).
         With a past (streaming only: offline attention would read later frames), the T frames come after its
         frames, which it supplies, and it is extended by them."""
-        temb, parts = self.inputs(x, mu, t, spks, cond, streaming, past)
+        temb, parts = self.time_embedding(t), self.inputs(x, mu, spks, cond, streaming, past)
         h = torch.cat(parts, dim=1)
         allowed = attention_mask(mask, self.chunk_frames if streaming else 0, past.frames if past else 0)
 

@@ -15,7 +15,9 @@ batch 1 (even from a CUDA graph) and by the elementwise ones' memory traffic at 
 - the attention mask is made once a pass, additive in the activations' dtype and its rows aligned
   for the memory-efficient kernel (a boolean mask is converted, and an unaligned one padded, by every
   attention call);
-- the time embedding's Mish, the first op of every resnet's time MLP, runs once.
+- the time embedding's Mish, the first op of every resnet's time MLP, runs once, and every resnet's
+  time input (its time MLP) comes from `time_inputs`: a solve makes every ODE step's at once, since
+  they depend on the step's time alone (solver.solve), ~24 kernels a step fewer.
 
 On an H100 that is 885 kernels a step, 717 with the blocks compiled, against 1,287 (docs/levers.md,
 "H100 codec 3").
@@ -26,7 +28,7 @@ used by the pass that made it (CodecDecoder runs one or the other)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -82,9 +84,9 @@ def block(b: CausalBlock1D, x: Tensor, past: Tails | None) -> Tensor:
     return F.mish(norm(conv(c, x, past)))
 
 
-def resnet(r: CausalResnetBlock1D, x: Tensor, temb: Tensor, past: Tails | None) -> Tensor:
-    """temb: Mish of the time embedding [B, 4C] (the time MLP's first op, shared by every resnet)."""
-    h = block(r.block1, x, past) + F.linear(temb, r.mlp[1].weight, r.mlp[1].bias)[:, None]
+def resnet(r: CausalResnetBlock1D, x: Tensor, time: Tensor, past: Tails | None) -> Tensor:
+    """time: the resnet's time input [B or 1, C] (`CausalConditionalDecoder.resnet_times`)."""
+    h = block(r.block1, x, past) + time[:, None]
     return block(r.block2, h, past) + conv(r.res_conv, x)
 
 
@@ -136,22 +138,28 @@ class FastEstimator:
         cond: Tensor | None = None,
         streaming: bool = False,
         past: Past | None = None,
+        times: Sequence[Tensor] | None = None,
     ) -> Tensor:
-        """x, mu, cond [B, 80, T]; mask [B, 1, T], right-padded; t [B]; spks [B, 80] -> velocity [B, 80, T]."""
+        """x, mu, cond [B, 80, T]; mask [B, 1, T], right-padded; t [B]; spks [B, 80] -> velocity [B, 80, T].
+        times: the resnets' time inputs at t, made ahead (`time_inputs`: a solve makes every step's at once)."""
         est = self.est
-        temb, parts = est.inputs(x, mu, t, spks, cond, streaming, past)
+        parts = est.inputs(x, mu, spks, cond, streaming, past)
         h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)  # [B, T, in_channels]
         bias = attention_bias(mask, est.chunk_frames if streaming else 0, past.frames if past else 0, h.dtype)
         res, tb = self.blocks if self.blocks is not None and past is None else (resnet, transformer)
-        out = self.unet(h, F.mish(temb), bias, past, res, tb)
+        out = self.unet(h, est.resnet_times(t) if times is None else times, bias, past, res, tb)
         if past is not None:
             past.frames += x.shape[-1]
         return out.transpose(1, 2) * mask
 
-    def unet(self, h: Tensor, temb: Tensor, bias: Tensor, past: Tails | None, res: Callable, tb: Callable) -> Tensor:
-        """The U-Net over h [B, T, in_channels] (temb: the time embedding's Mish) -> [B, T, 80], its
-        resnets and transformer blocks run by `res` and `tb`, each given `past` as it is."""
-        est = self.est
+    def time_inputs(self, t: Tensor) -> list[Tensor]:
+        """The resnets' time inputs at times t [N] (`CausalConditionalDecoder.resnet_times`)."""
+        return self.est.resnet_times(t)
+
+    def unet(self, h: Tensor, times: Sequence[Tensor], bias: Tensor, past: Tails | None, res: Callable, tb: Callable) -> Tensor:
+        """The U-Net over h [B, T, in_channels] (times: each resnet's time input, in the order met) ->
+        [B, T, 80], its resnets and transformer blocks run by `res` and `tb`, each given `past` as it is."""
+        est, time = self.est, iter(times)
 
         def attend(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             for b in blocks:
@@ -160,13 +168,13 @@ class FastEstimator:
 
         skips = []
         for r, blocks, down in est.down_blocks:
-            h = attend(res(r, h, temb, past), blocks)
+            h = attend(res(r, h, next(time), past), blocks)
             skips.append(h)
             h = conv(down, h, past)
         for r, blocks in est.mid_blocks:
-            h = attend(res(r, h, temb, past), blocks)
+            h = attend(res(r, h, next(time), past), blocks)
         for r, blocks, up in est.up_blocks:
             skip = skips.pop()
             h = torch.cat([h[:, : skip.shape[1]], skip], dim=2)
-            h = conv(up, attend(res(r, h, temb, past), blocks), past)
+            h = conv(up, attend(res(r, h, next(time), past), blocks), past)
         return conv(est.final_proj, block(est.final_block, h, past))

@@ -25,6 +25,7 @@ Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -270,13 +271,13 @@ class SlotView:
 
 
 def resnet(
-    r: CausalResnetBlock1D, x: Tensor, temb: Tensor, tails: tuple[Tensor, Tensor], valid: Tensor
+    r: CausalResnetBlock1D, x: Tensor, time: Tensor, tails: tuple[Tensor, Tensor], valid: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """fast.resnet, its two causal convolutions' left context given and their new tails returned: no
     state, so it compiles whole."""
     (c1, _, n1), (c2, _, n2) = r.block1.block, r.block2.block
     x1 = torch.cat([tails[0], x], dim=1)
-    h = F.mish(n1(windowed(c1, x1))) + F.linear(temb, r.mlp[1].weight, r.mlp[1].bias)[:, None]
+    h = F.mish(n1(windowed(c1, x1))) + time[:, None]
     h1 = torch.cat([tails[1], h], dim=1)
     out = F.mish(n2(windowed(c2, h1))) + conv(r.res_conv, x)
     return out, tail_at(x1, valid, c1.left), tail_at(h1, valid, c2.left)
@@ -309,10 +310,13 @@ class SlotPass:
         self.resnet = wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
 
-    def res(self, r: CausalResnetBlock1D, x: Tensor, temb: Tensor, view: SlotView) -> Tensor:
+    def res(self, r: CausalResnetBlock1D, x: Tensor, time: Tensor, view: SlotView) -> Tensor:
         c1, c2 = r.block1.block[0], r.block2.block[0]
-        out, view.kept[c1], view.kept[c2] = self.resnet(r, x, temb, (view.tail(c1), view.tail(c2)), view.ix.valid)
+        out, view.kept[c1], view.kept[c2] = self.resnet(r, x, time, (view.tail(c1), view.tail(c2)), view.ix.valid)
         return out
+
+    def time_inputs(self, t: Tensor) -> list[Tensor]:
+        return self.fast.time_inputs(t)
 
     def transformer(self, b: TransformerBlock, h: Tensor, bias: Tensor | None, view: SlotView) -> Tensor:
         """A transformer block over [R, Q, C] whose keys are the row's past frames and its own: the new
@@ -331,15 +335,17 @@ class SlotPass:
 
     def __call__(
         self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool = True,
-        past: SlotView | None = None,
+        past: SlotView | None = None, times: Sequence[Tensor] | None = None,
     ) -> Tensor:  # fmt: skip
         """Called like the estimator (solver.Estimator), `past` the call's view of this ODE step: the
-        velocity [R, 80, Q] of each row's new frames; the step's tails written after the pass."""
+        velocity [R, 80, Q] of each row's new frames; the step's tails written after the pass. times:
+        as FastEstimator's."""
         if past is None or not streaming:
             raise ValueError("a slot pass needs its call's slot view and chunk masks")
         est = self.fast.est
-        temb, parts = est.inputs(x, mu, t, spks, cond, streaming, past)  # type: ignore[arg-type]
+        parts = est.inputs(x, mu, spks, cond, streaming, past)  # type: ignore[arg-type]
         h = torch.cat([p.transpose(1, 2) for p in parts], dim=2)
-        out = self.fast.unet(h, F.mish(temb), past.bias, past, self.res, self.transformer)
+        times = est.resnet_times(t) if times is None else times
+        out = self.fast.unet(h, times, past.bias, past, self.res, self.transformer)
         past.flush()
         return out.transpose(1, 2) * mask

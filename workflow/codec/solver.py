@@ -96,7 +96,8 @@ def solve(
     -> mel [B, 80, T] float32. Every batch row starts from the same noise frames (as the official code).
     With `past` (one per step: each step's estimator pass sees other x), the T frames follow its frames.
     x0: the starting noise [B, 80, T] when the rows start at different frames (slots.py), else taken here.
-
+    An estimator with `time_inputs` (fast.py's, slots.py's) is given every step's resnet time inputs,
+    made at once before the first step (~24 kernels a step fewer); a one-step solve makes its own.
     cfg_rate 0 skips the unconditional half (its weight is 0, so the result is the same) and halves the work."""
     noise = noise if noise is not None else FixedNoise.for_config(cfg, mel=mu.shape[1])
     b, _, frames = mu.shape
@@ -117,18 +118,25 @@ def solve(
     else:
         mask_in, mu_in, spks_in, cond_in = mask, mu, spks, cond
     # t advances by dt and the next dt is measured from it, as the official loop does
-    t, dt = t_span[0], t_span[1] - t_span[0]
+    t, dt, times = t_span[0], t_span[1] - t_span[0], []
     for step in range(1, cfg.steps + 1):
+        times.append((t, dt))
+        t = t + dt
+        if step < cfg.steps:
+            dt = t_span[step + 1] - t
+    # an estimator that offers it takes every step's time inputs made at once: they depend on t alone
+    ahead = getattr(estimator, "time_inputs", None) if cfg.steps > 1 else None
+    table = ahead(torch.stack([t for t, _ in times])) if ahead is not None else None
+    for step, (t, dt) in enumerate(times):
         x_in = torch.cat([x, x]) if guided else x
-        kw = {"past": past[step - 1]} if past is not None else {}  # an estimator without a past is called as before
+        kw = {"past": past[step]} if past is not None else {}  # an estimator without a past is called as before
+        if table is not None:
+            kw["times"] = [row[step : step + 1] for row in table]
         v = estimator(x_in, mask_in, mu_in, t.expand(x_in.shape[0]), spks_in, cond_in, streaming=streaming, **kw)
         if guided:
             v_cond, v_uncond = v[:b], v[b:]
             v = (1.0 + cfg.cfg_rate) * v_cond - cfg.cfg_rate * v_uncond
         x = x + dt * v
-        t = t + dt
-        if step < cfg.steps:
-            dt = t_span[step + 1] - t
     return x.float()
 
 

@@ -16,9 +16,10 @@ Three ways to run it, on the same weights (random, of the preset's shape, or the
   batched call, eager;
 - ours: `dtype`, the estimator's fast pass (fast.py), every frame each call (what the benchmark's
   stream runs on CUDA), and on CUDA the front end, one ODE step and the whole solve each replayed
-  from a CUDA graph per shape; HiFT (float32) runs every stream's frames at once as serving does
-  (`CodecDecoder.hift_calls`: F0, each stream's NSF source continued, the network and iSTFT), from a
-  graph;
+  from a CUDA graph per shape (an ODE step alone makes its resnets' time inputs, which a solve makes
+  for every step at once: ten steps cost a little less than ten of it); HiFT (float32) runs every
+  stream's frames at once as serving does (`CodecDecoder.hift_calls`: F0, each stream's NSF source
+  continued, the network and iSTFT), from a graph;
 - `flow_cache` ("ours, flow cache"): ours solving only the new frames against the cached past
   (graphed per past length here), the cache's A/B. Its past costs ~2.3 MB a frame a stream at the
   true shape in bf16, twice that while a call copies it;
