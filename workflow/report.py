@@ -212,8 +212,9 @@ def load_markdown(load: dict) -> list[str]:
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
-        "streams' chunks until each has a chunk's audio); streams: speaking on average, the most open at once, and the "
-        "most allowed (the engine's slots, load.slots and the detokenizer's flow slots); queued: arrival to admission.",
+        "streams' chunks until each has a chunk's audio); streams: speaking on average (a decode step's), the most "
+        "open at once, and the most allowed (the engine's slots, load.slots and the detokenizer's flow slots); "
+        "queued: arrival to admission.",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
         "device: prefill / sample / decode / detok. (first) | streams: mean / most / allowed | queued ms p99 "

@@ -52,9 +52,9 @@ class Request:
         return None if start is None else start - self.t_arrival
 
     def decode_due_at(self, pace: float, lead_s: float) -> float:
-        """With pace > 0: the time from which this stream must be decoded again, so that the audio its codes
-        make stays at least lead_s + pace x its playback so far ahead of its playback's start; -inf (now)
-        while that start is not known, and without pace."""
+        """With pace > 0: the time from which this stream must be decoded again, once the audio its codes
+        make would fall under lead_s + pace x the time since its playback's start; -inf (now) while that
+        start is not known, and without pace."""
         start = self.playback_start
         if not pace or start is None:
             return float("-inf")
