@@ -6,7 +6,7 @@ injected while other streams speak, and those streams' tokens must not change.""
 import pytest
 import torch
 
-from workflow import traffic, vocoder
+from workflow import report, traffic, vocoder
 from workflow.detokenize import Batched, Piece
 from workflow.engines import load_engine
 from workflow.engines.slots import Slots, batch_bucket
@@ -593,6 +593,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         assert 0 < lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p99"] and 0 < lv["busy_fraction"] <= 1
         assert set(lv["device_busy"]) == {"prefill", "sample", "decode"}  # no detokenizer given
         assert 0 < sum(lv["device_busy"].values()) <= lv["busy_fraction"]  # the CPU: its phases are the loop's time
+        assert lv["host_busy"] == lv["device_busy"]  # on the CPU the work runs as the host calls it
         q = lv["queued_ms"]  # arrival to admission, part of each request's time to first audio
         assert lv["max_streams"] == 4 and q["n"] == lv["served"] and 0 <= q["p50"] <= q["p99"] <= lv["ttfa_ms"]["p99"]
         assert 1 <= lv["peak_streams"] <= min(4, lv["requests"])  # the most open at once, never past the allowed
@@ -604,6 +605,10 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
     made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
     assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0 and made["seconds"] >= 0
+    memory = {"slots": 4, "kv_bytes_per_slot": 1, "max_seq_len": 64}
+    rows = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith(("| closed", "| Poisson"))]
+    host = [lv["host_busy"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
+    assert [r.split(" | ")[8] for r in rows] == [f"{h['decode']:.2f} / {h.get('detokenize', 0.0):.2f}" for h in host]
 
 
 def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):

@@ -194,6 +194,13 @@ def _prepared(made: dict | None) -> str:
     )
 
 
+def host_cell(h: dict | None) -> str:
+    """The loop's host time in the decode step's launch and the detokenizer's, per wall second ('-': not recorded)."""
+    if h is None:
+        return "-"
+    return f"{h.get('decode', 0.0):.2f} / {h.get('detokenize', 0.0) + h.get(FIRST, 0.0):.2f}"
+
+
 def load_markdown(load: dict) -> list[str]:
     """The load benchmark's table and its answer."""
     c, mem = load["config"], load["memory"]
@@ -212,14 +219,15 @@ def load_markdown(load: dict) -> list[str]:
         "",
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
-        "streams' chunks until each has a chunk's audio); streams: speaking on average (a decode step's), the most "
-        "open at once, and the most allowed (the engine's slots, load.slots and the detokenizer's flow slots); "
-        "queued: arrival to admission.",
+        "streams' chunks until each has a chunk's audio); host: the loop's own time per wall second in the decode "
+        "step's launch and in the detokenizer's (both lanes), its one thread; streams: speaking on average (a "
+        "decode step's), the most open at once, and the most allowed (the engine's slots, load.slots and the "
+        "detokenizer's flow slots); queued: arrival to admission.",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
-        "device: prefill / sample / decode / detok. (first) | streams: mean / most / allowed | queued ms p99 "
-        "| refused / failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "device: prefill / sample / decode / detok. (first) | host: decode / detok. | streams: mean / most / allowed "
+        "| queued ms p99 | refused / failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"])):  # closed, then open; searched levels in place
         t, d = lv["ttfa_ms"], lv["device_busy"]
@@ -230,6 +238,7 @@ def load_markdown(load: dict) -> list[str]:
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
             f"| {' / '.join(f'{d.get(k, 0.0):.2f}' for k in ('prefill', 'sample', 'decode', 'detokenize'))}"
             f"{f' ({d[FIRST]:.2f})' if FIRST in d else ''} "
+            f"| {host_cell(lv.get('host_busy'))} "
             f"| {lv['mean_active_slots']:.1f} / {lv.get('peak_streams', '-')} / {lv['max_streams']} "
             f"| {lv['queued_ms']['p99']:.1f} "
             f"| {lv['refused']} / {lv['failed']} |"

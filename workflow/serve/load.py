@@ -249,6 +249,7 @@ def run_level(
         "tokens_per_s": sum(len(r.codes) for r in done) / wall,
         "busy_fraction": busy / wall,
         "device_busy": {phase: s / wall for phase, s in sorted(sched.phases.seconds.items())},
+        "host_busy": {phase: s / wall for phase, s in sorted(sched.phases.host.items())},
         "mean_active_slots": active_sum / max(1, iterations),
         "iterations": iterations,
         "wall_s": wall,
