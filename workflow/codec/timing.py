@@ -80,7 +80,12 @@ class CodecTiming:
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
 
     def __post_init__(self) -> None:
+        """The settings checked wherever they come from (`from_dict`, or `dataclasses.replace`)."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"benchmark.codec.preset: '{self.preset}' is not one of {', '.join(PRESETS)}")
         chunk = PRESETS[self.preset]().chunk
+        if self.later_codes % chunk:
+            raise ValueError(f"benchmark.codec.later_codes: {self.later_codes} is not a multiple of the chunk ({chunk} codes)")
         if self.slots and self.held * chunk > self.later_codes:  # the held call's chunks end where the later call does
             raise ValueError(
                 f"benchmark.codec.later_codes: {self.later_codes} codes hold fewer than the {self.held} chunks "
@@ -92,11 +97,6 @@ class CodecTiming:
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"benchmark.codec: unknown key(s) {', '.join(unknown)}")
-        if d.get("preset", "tiny") not in PRESETS:
-            raise ValueError(f"benchmark.codec.preset: '{d['preset']}' is not one of {', '.join(PRESETS)}")
-        chunk = PRESETS[d.get("preset", "tiny")]().chunk
-        if d.get("later_codes", cls.later_codes) % chunk:
-            raise ValueError(f"benchmark.codec.later_codes: {d['later_codes']} is not a multiple of the chunk ({chunk} codes)")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
