@@ -42,8 +42,12 @@ def schema_problem(error):
         return str(error)
     keys = [str(k) for k in cause.absolute_path]
     where = f"{'.'.join(keys)}: " if keys else ""
-    why = cause.schema.get("description") if cause.validator == "anyOf" else None  # anyOf's own message names nothing
-    return f"config: {where}{cause.instance!r}: {why}" if why else f"config: {where}{cause.message}"
+    # anyOf's own message names nothing: give its description
+    if cause.validator == "anyOf":
+        why = cause.schema.get("description")
+        if why:
+            return f"config: {where}{cause.instance!r}: {why}"
+    return f"config: {where}{cause.message}"
 
 
 config.update(typed(config))
