@@ -594,6 +594,8 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         assert set(lv["device_busy"]) == {"prefill", "sample", "decode"}  # no detokenizer given
         assert 0 < sum(lv["device_busy"].values()) <= lv["busy_fraction"]  # the CPU: its phases are the loop's time
         assert lv["host_busy"] == lv["device_busy"]  # on the CPU the work runs as the host calls it
+        it = lv["iteration_ms"]  # each decoding iteration's wall time
+        assert it["n"] == lv["iterations"] and 0 < it["p50"] <= it["p99"] <= it["max"] <= 1e3 * lv["wall_s"]
         q = lv["queued_ms"]  # arrival to admission, part of each request's time to first audio
         assert lv["max_streams"] == 4 and q["n"] == lv["served"] and 0 <= q["p50"] <= q["p99"] <= lv["ttfa_ms"]["p99"]
         assert 1 <= lv["peak_streams"] <= min(4, lv["requests"])  # the most open at once, never past the allowed

@@ -190,6 +190,7 @@ def run_level(
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
     busy, active_sum, iterations, seen, peak, last_print = 0.0, 0, 0, 0, 0, t0
+    step_ms: list[float] = []  # each decoding iteration's wall time: an arrival waits up to one to be admitted
     listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
     while pending or listening or not sched.idle():
         now = clock()
@@ -213,7 +214,8 @@ def run_level(
             time.sleep(min(wait, PACE_POLL_S))
         t_iter = clock()
         decoded = sched.iterate()
-        busy += clock() - t_iter
+        busy += (took := clock() - t_iter)
+        step_ms += [1e3 * took] if decoded else []
         iterations += decoded
         active_sum += len(sched.streams) if decoded else 0
         peak = max(peak, sched.streams_open())
@@ -251,6 +253,7 @@ def run_level(
         "device_busy": {phase: s / wall for phase, s in sorted(sched.phases.seconds.items())},
         "host_busy": {phase: s / wall for phase, s in sorted(sched.phases.host.items())},
         "mean_active_slots": active_sum / max(1, iterations),
+        "iteration_ms": percentiles(step_ms) | {"max": max(step_ms, default=0.0)},
         "iterations": iterations,
         "wall_s": wall,
     }, done
