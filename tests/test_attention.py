@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from workflow.engines import attention
-from workflow.engines.torch_engine import rms_norm, rope
+from workflow.engines.linears import rms_norm, rope
 
 pytestmark = pytest.mark.skipif(not attention.available(), reason="needs triton")
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from workflow import fp8, trtckpt
 from workflow.engines import blocks, gemv, tuning
 from workflow.engines.blocks import Block, Body, Fuse
+from workflow.engines.linears import rms_norm
 from workflow.engines.options import EngineOptions
-from workflow.engines.torch_engine import TorchEngine, rms_norm
+from workflow.engines.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="needs triton")
 

@@ -1,6 +1,6 @@
 """Fused decode attention (one new token per sequence), written in Triton.
 
-In decode, `torch_engine.layer_step` does between the qkv projection and the dense one: the
+In decode, `layer.layer_step` does between the qkv projection and the dense one: the
 q and k RMSNorms, rope on both, two `index_copy_` cache writes, SDPA with a mask, and the
 transposes around them: half a dozen tiny kernels per layer, each costing a couple of
 microseconds whatever it does. This kernel does all of it in one launch. A program takes one
