@@ -1,0 +1,134 @@
+"""The load benchmark (serve/load.py): playback and underruns, the levels, the search for streams at
+the SLO; on the CPU, the tiny engine."""
+
+import pytest
+import torch
+
+from workflow import report
+from workflow.engines import load_engine
+from workflow.generate import Ids, Sampling
+from workflow.serve import load
+from workflow.serve.request import Request
+from workflow.spec import PRESETS
+
+
+def test_underruns_count_chunks_ready_after_playback_ran_out():
+    req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1)
+    req.chunk_ready, req.chunk_samples = [1.0, 1.3, 1.9, 2.0], [40, 40, 40, 40]  # 100 a second: due at 1.0, 1.4, 1.8, 2.2
+    n, stalled = load.underruns(req, 100.0)
+    assert n == 1 and stalled == pytest.approx(0.1)
+    assert load.playback_end(req, 100.0) == pytest.approx(1.0 + 1.6 + 0.1)
+
+
+def test_playback_starts_at_the_first_chunk_with_pcm_and_paces_by_samples():
+    """The codec decoder's way: no PCM for the first chunk (its lookahead), 0.24 s for the next,
+    0.4 s each after: time to first audio is the second chunk's, and each is due when the PCM
+    before it has played."""
+    req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1, t_arrival=0.5, t_admit=0.6)
+    req.chunk_ready, req.chunk_samples = [0.9, 1.0, 1.3, 1.7], [0, 24, 40, 40]  # due -, 1.0, 1.24, 1.64
+    assert req.ttfa_s == pytest.approx(0.5)
+    assert load.underruns(req, 100.0) == (2, pytest.approx(0.06 + 0.06))
+    assert load.timeline(req, 100.0)["chunk_due"] == pytest.approx([0.5, 0.74, 1.14])
+
+
+def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
+    """Two closed-loop levels and one Poisson level on the tiny engine: every request served,
+    its first audio timed from its arrival, and the answer the largest level within the SLO."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    cfg = load.LoadConfig(closed=(1, 3), rates=(2.0,), duration_s=1.5, reply_seconds=(0.4, 1.2), prompt_len=24, slots=4)
+    out = load.run(engine, None, __import__("time").perf_counter, cfg, ids, 5, Sampling())
+    assert [(lv["kind"], lv["value"]) for lv in out["levels"]] == [("closed", 1), ("closed", 3), ("open", 2.0)]
+    for lv in out["levels"]:
+        assert lv["served"] == lv["requests"] > 0 and lv["failed"] == lv["refused"] == 0
+        assert 0 < lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p99"] and 0 < lv["busy_fraction"] <= 1
+        assert set(lv["device_busy"]) == {"prefill", "sample", "decode"}  # no detokenizer given
+        assert 0 < sum(lv["device_busy"].values()) <= lv["busy_fraction"]  # the CPU: its phases are the loop's time
+        assert lv["host_busy"] == lv["device_busy"]  # on the CPU the work runs as the host calls it
+        it = lv["iteration_ms"]  # each decoding iteration's wall time
+        assert it["n"] == lv["iterations"] and 0 < it["p50"] <= it["p99"] <= it["max"] <= 1e3 * lv["wall_s"]
+        q = lv["queued_ms"]  # arrival to admission, part of each request's time to first audio
+        assert lv["max_streams"] == 4 and q["n"] == lv["served"] and 0 <= q["p50"] <= q["p99"] <= lv["ttfa_ms"]["p99"]
+        assert 1 <= lv["peak_streams"] <= min(4, lv["requests"])  # the most open at once, never past the allowed
+    assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
+    ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
+    assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
+    t = out["timeline"]
+    assert t["level"] == 3 and 0 <= t["admitted"] <= t["chunk_ready"][0]
+    assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
+    made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
+    assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0 and made["seconds"] >= 0
+    memory = {"slots": 4, "kv_bytes_per_slot": 1, "max_seq_len": 64}
+    rows = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith(("| closed", "| Poisson"))]
+    host = [lv["host_busy"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
+    assert [r.split(" | ")[8] for r in rows] == [f"{h['decode']:.2f} / {h.get('detokenize', 0.0):.2f}" for h in host]
+
+
+def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):
+    """The load's loop with `pace` 2 (its lead 0.4 s): every request served with no underrun, and each
+    reply's codes made over (its audio - 0.4 s) / 2 from its first PCM, the loop sleeping meanwhile,
+    where unpaced the tiny engine makes them in a fraction of that."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    cfg = load.LoadConfig(closed=(2,), duration_s=1.5, reply_seconds=(1.2, 2.0), prompt_len=24, slots=4, pace=2, pace_lead_s=0.4)
+    level = load.Level(cfg, "closed", 2, ids, torch.Generator().manual_seed(5))
+    result, done = load.run_level(engine, None, __import__("time").perf_counter, level, 5, Sampling(), progress=False)
+    assert result["served"] == result["requests"] > 0 and result["underruns"] == 0
+    for req in done:
+        paced_s = (len(req.codes) * 0.08 - 0.4) / 2
+        assert req.chunk_ready[-1] - req.playback_start > 0.9 * paced_s
+
+
+def test_load_config_names_an_unknown_key():
+    with pytest.raises(ValueError, match=r"benchmark\.load: unknown key"):
+        load.LoadConfig.from_dict({"closed": [4], "users": 3})
+
+
+@pytest.mark.parametrize("most_users", [0, 2, 11, 13, 24, 29, 50, 100, 400])
+def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_that_did_not(most_users):
+    """With levels holding the SLO up to `most_users` and no further, the search ends with the
+    largest that held at most that, the smallest that failed above it, and the two within
+    search_step users or a quarter of the answer; past search_max it stops at search_max."""
+    step, most = 4, 256
+    held = {n: n <= most_users for n in (4, 8, 16, 32)}
+    runs = 0
+    while (n := load.next_search_level(held, step, most)) is not None:
+        assert n not in held and 0 < n <= most
+        held[n], runs = n <= most_users, runs + 1
+    lo = max((n for n, ok in held.items() if ok), default=0)
+    above = [n for n, ok in held.items() if not ok and n > lo]
+    assert lo <= most_users and runs <= 6
+    if most_users >= most:
+        assert lo == most and not above
+    else:
+        assert min(above) > most_users and min(above) - lo <= max(step, lo // 4)
+
+
+def test_the_search_keeps_the_largest_level_that_held_and_searches_above_it():
+    """A noisy grid (8 failed, 16 held): the search goes on above 16, not below 8."""
+    assert load.next_search_level({4: True, 8: False, 16: True, 32: False}, 4, 256) == 24
+    assert load.next_search_level({4: True, 8: True}, 4, 256) == 16  # every level held: twice the largest
+    assert load.next_search_level({4: True, 8: True}, 4, 8) is None  # ... up to search_max
+
+
+def test_the_load_benchmark_searches_past_its_levels(monkeypatch):
+    """load.run with search_step: the given levels, then searched ones (marked), each run as any
+    level, until streams at the SLO is pinned; the answer is the largest level that held."""
+    ran, drawn = [], {}
+
+    def level(engine, detokenize, clock, lv, chunk_tokens, sampling):
+        ran.append(lv.value)
+        drawn.setdefault(lv.value, []).append((lv.first_arrivals(), lv.new_request(0.0).reply_codes))
+        p99 = 150.0 if lv.value <= 21 else 250.0  # 21 users hold the 200 ms SLO, 22 do not
+        return {"kind": lv.kind, "value": lv.value, "ttfa_ms": {"p99": p99}, "underruns": 0, "failed": 0,
+                "tokens_per_s": 1.0, "busy_fraction": 0.5}, []  # fmt: skip
+
+    monkeypatch.setattr(load, "run_level", level)
+    monkeypatch.setattr(load, "prepare", lambda *a: {})
+    cfg = load.LoadConfig(closed=(4, 8), search_step=4, search_max=64)
+    out = load.run(None, None, lambda: 0.0, cfg, Ids.of(PRESETS["tiny"]), 5, Sampling())
+    assert ran == [4, 8, 16, 32, 24, 20] and out["streams_at_slo"] == 20
+    assert [lv["searched"] for lv in out["levels"]] == [False, False, True, True, True, True]
+    # a level's traffic is its own: 24 users draw the same arrivals and replies given first or searched
+    load.run(None, None, lambda: 0.0, load.LoadConfig(closed=(24,)), Ids.of(PRESETS["tiny"]), 5, Sampling())
+    assert drawn[24][0] == drawn[24][1] and drawn[16][0] != drawn[24][0][:16]
