@@ -214,8 +214,10 @@ def run_level(
             time.sleep(min(wait, PACE_POLL_S))
         t_iter = clock()
         decoded = sched.iterate()
-        busy += (took := clock() - t_iter)
-        step_ms += [1e3 * took] if decoded else []
+        took = clock() - t_iter
+        busy += took
+        if decoded:
+            step_ms.append(1e3 * took)
         iterations += decoded
         active_sum += len(sched.streams) if decoded else 0
         peak = max(peak, sched.streams_open())
