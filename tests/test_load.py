@@ -8,7 +8,7 @@ from workflow import report
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
 from workflow.serve import load
-from workflow.serve.request import Request
+from workflow.serve.request import Request, ServeConfig
 from workflow.spec import PRESETS
 
 
@@ -82,6 +82,21 @@ def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):
 def test_load_config_names_an_unknown_key():
     with pytest.raises(ValueError, match=r"benchmark\.load: unknown key"):
         load.LoadConfig.from_dict({"closed": [4], "users": 3})
+
+
+def test_every_scheduler_setting_of_the_load_reaches_the_scheduler():
+    """Each setting the load and the scheduler both name, set off its default, arrives as set; the
+    load's slots are the scheduler's max_streams."""
+    given = {
+        "prefill_tokens": 512, "when_full": "refuse", "detokenize_batches": 3, "detokenize_hold": 5, "detokenize_slack_s": 0.4,
+        "first_audio_first": True, "first_chunks_apart": False, "pace": 2.5, "pace_lead_s": 0.7, "slots": 6,
+    }  # fmt: skip
+    shared = set(ServeConfig.__dataclass_fields__) & set(load.LoadConfig.__dataclass_fields__)
+    assert shared == set(given) - {"slots"}  # a setting added to both is added here too
+    serve = load.LoadConfig(**given).serve_config(7, Sampling(greedy=True))
+    assert {k: getattr(serve, k) for k in shared} == {k: given[k] for k in shared}
+    assert (serve.max_streams, serve.chunk_tokens, serve.hold_speech, serve.sampling) == (6, 7, True, Sampling(greedy=True))
+    assert all(given[k] != getattr(ServeConfig(), k) for k in shared)  # none left at its default
 
 
 @pytest.mark.parametrize("most_users", [0, 2, 11, 13, 24, 29, 50, 100, 400])

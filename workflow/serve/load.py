@@ -56,8 +56,8 @@ class LoadConfig:
     prompt_len: int = 512
     ttfa_slo_ms: float = 200.0
     slots: int = 8  # streams open at once (the scheduler's max_streams; graphs are made for up to this many)
-    prefill_tokens: int = 2048
-    when_full: str = "queue"
+    prefill_tokens: int = 2048  # (ServeConfig)
+    when_full: str = "queue"  # (ServeConfig)
     detokenize_batches: int = 2  # detokenizer batches running at once (ServeConfig)
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (ServeConfig)
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds (ServeConfig)
@@ -73,6 +73,12 @@ class LoadConfig:
     def longest_codes(self) -> int:
         """The codes of the longest reply the levels ask for."""
         return round(self.reply_seconds[1] / SECONDS_PER_TOKEN)
+
+    def serve_config(self, chunk_tokens: int, sampling: Sampling) -> ServeConfig:
+        """The scheduler's settings: every field the two name alike (marked ServeConfig above), its
+        max_streams from `slots`; a reply is spoken whole (hold_speech)."""
+        shared = {k: getattr(self, k) for k in ServeConfig.__dataclass_fields__ if k in self.__dataclass_fields__}
+        return ServeConfig(chunk_tokens=chunk_tokens, hold_speech=True, max_streams=self.slots, sampling=sampling, **shared)
 
     @classmethod
     def from_dict(cls, d: dict) -> LoadConfig:
@@ -178,12 +184,7 @@ def run_level(
     progress: bool = True,
 ) -> tuple[dict, list[Request]]:
     cfg = level.cfg
-    serve = ServeConfig(
-        chunk_tokens, cfg.prefill_tokens, cfg.when_full, hold_speech=True,
-        detokenize_batches=cfg.detokenize_batches, detokenize_hold=cfg.detokenize_hold, detokenize_slack_s=cfg.detokenize_slack_s,
-        first_audio_first=cfg.first_audio_first, first_chunks_apart=cfg.first_chunks_apart, max_streams=cfg.slots,
-        pace=cfg.pace, pace_lead_s=cfg.pace_lead_s, sampling=sampling,
-    )  # fmt: skip
+    serve = cfg.serve_config(chunk_tokens, sampling)
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate = pcm_rate(detokenize)
     t0 = clock()
