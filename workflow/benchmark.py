@@ -386,4 +386,4 @@ def write_outputs(b: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, teardown=False)

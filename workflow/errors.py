@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +28,19 @@ def read_json(path: str | Path, missing: str = "file is missing"):
         raise InputError(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None = None) -> None:
-    """Run a stage's main(); an InputError becomes one line on stderr instead of a traceback."""
+def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None = None, teardown: bool = True) -> None:
+    """Run a stage's main(); an InputError becomes one line on stderr instead of a traceback.
+
+    teardown=False: once main() has returned, every output written, the process flushes its
+    streams and ends at once (os._exit) instead of tearing the interpreter down. A GPU process's
+    teardown (its CUDA graphs, pools and compiled kernels) can outlast the stage's time limit,
+    and Snakemake deletes the outputs of a job it kills."""
     try:
         main(argv)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    if not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
