@@ -6,8 +6,10 @@ level's figures as JSON.
     PROBE_LEVELS=24,32,40 python benchmarks/probe_pace.py <engine dir> <out.json> [config.yaml ...]
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ def line(name: str, lv: dict) -> str:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # stopped at its limit: where it waited
     engine_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     cfg: dict = {}
     for f in ["config/config.yaml", *sys.argv[3:]]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +36,11 @@ def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None = 
     teardown=False: once main() has returned, every output written, the process flushes its
     streams and ends at once (os._exit) instead of tearing the interpreter down. A GPU process's
     teardown (its CUDA graphs, pools and compiled kernels) can outlast the stage's time limit,
-    and Snakemake deletes the outputs of a job it kills."""
+    and Snakemake deletes the outputs of a job it kills.
+
+    A stage stopped by SIGTERM (a time limit: Snakemake's, the device tool's) first prints every
+    thread's Python stack to stderr, the rule's log: where a stage that hung was waiting."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         main(argv)
     except InputError as e:
