@@ -29,6 +29,16 @@ def test_playback_starts_at_the_first_chunk_with_pcm_and_paces_by_samples():
     assert req.ttfa_s == pytest.approx(0.5)
     assert load.underruns(req, 100.0) == (2, pytest.approx(0.06 + 0.06))
     assert load.timeline(req, 100.0)["chunk_due"] == pytest.approx([0.5, 0.74, 1.14])
+    req.chunk_sent = [0.8, 0.92, 1.2, 1.6]  # its first audible chunk sent at 0.92, its PCM ready at 1.0
+    assert req.ttfa_parts() == pytest.approx((0.1, 0.32, 0.08)) and sum(req.ttfa_parts()) == pytest.approx(req.ttfa_s)
+    req.chunk_ready = req.chunk_ready[:1]  # the first audible chunk's PCM not yet known
+    assert req.ttfa_parts() is None and req.ttfa_s is None
+
+
+def test_the_slowest_tenths_parts_are_the_means_of_its_requests():
+    parts = sorted([(0.0, 0.1, 0.02)] * 18 + [(0.05, 0.2, 0.1), (0.01, 0.3, 0.05)], key=sum)  # 20: the slowest two
+    assert load.slowest_parts(parts) == pytest.approx({"queued": 30.0, "first_chunk": 250.0, "first_pcm": 75.0})
+    assert load.slowest_parts(parts[:3]) == pytest.approx({"queued": 0.0, "first_chunk": 100.0, "first_pcm": 20.0})
 
 
 def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
@@ -50,6 +60,9 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         q = lv["queued_ms"]  # arrival to admission, part of each request's time to first audio
         assert lv["max_streams"] == 4 and q["n"] == lv["served"] and 0 <= q["p50"] <= q["p99"] <= lv["ttfa_ms"]["p99"]
         assert 1 <= lv["peak_streams"] <= min(4, lv["requests"])  # the most open at once, never past the allowed
+        parts, slowest = lv["ttfa_parts_ms"], lv["slowest_ttfa_parts_ms"]  # time to first audio by part
+        assert parts["queued"] == q and parts["first_chunk"]["p50"] > 0 and parts["first_pcm"]["p99"] == 0  # no detokenizer
+        assert parts["first_chunk"]["n"] == lv["served"] and sum(slowest.values()) >= lv["ttfa_ms"]["p50"]
     assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
@@ -62,6 +75,8 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     rows = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith(("| closed", "| Poisson"))]
     host = [lv["host_busy"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
     assert [r.split(" | ")[8] for r in rows] == [f"{h['decode']:.2f} / {h.get('detokenize', 0.0):.2f}" for h in host]
+    slow = [lv["slowest_ttfa_parts_ms"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
+    assert [r.split(" | ")[11] for r in rows] == [f"{s['queued']:.0f} / {s['first_chunk']:.0f} / 0" for s in slow]
 
 
 def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):

@@ -201,6 +201,11 @@ def host_cell(h: dict | None) -> str:
     return f"{h.get('decode', 0.0):.2f} / {h.get('detokenize', 0.0) + h.get(FIRST, 0.0):.2f}"
 
 
+def parts_cell(parts: dict | None) -> str:
+    """The slowest tenth's time to first audio by part; '-' where a level did not record it."""
+    return " / ".join(f"{parts[k]:.0f}" for k in ("queued", "first_chunk", "first_pcm")) if parts else "-"
+
+
 def load_markdown(load: dict) -> list[str]:
     """The load benchmark's table and its answer."""
     c, mem = load["config"], load["memory"]
@@ -222,12 +227,14 @@ def load_markdown(load: dict) -> list[str]:
         "streams' chunks until each has a chunk's audio); host: the loop's own time per wall second in the decode "
         "step's launch and in the detokenizer's (both lanes), its one thread; streams: speaking on average (a "
         "decode step's), the most open at once, and the most allowed (the engine's slots, load.slots and the "
-        "detokenizer's flow slots); queued: arrival to admission.",
+        "detokenizer's flow slots); queued: arrival to admission; the slowest tenth's time to first audio (its "
+        "requests' means): queued, then to its first audible chunk's sending (prefill, decode steps), then to that "
+        "chunk's PCM (the detokenizer).",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
         "device: prefill / sample / decode / detok. (first) | host: decode / detok. | streams: mean / most / allowed "
-        "| queued ms p99 | refused / failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| queued ms p99 | slowest tenth ms: queued / chunk / PCM | refused / failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"])):  # closed, then open; searched levels in place
         t, d = lv["ttfa_ms"], lv["device_busy"]
@@ -241,6 +248,7 @@ def load_markdown(load: dict) -> list[str]:
             f"| {host_cell(lv.get('host_busy'))} "
             f"| {lv['mean_active_slots']:.1f} / {lv.get('peak_streams', '-')} / {lv['max_streams']} "
             f"| {lv['queued_ms']['p99']:.1f} "
+            f"| {parts_cell(lv.get('slowest_ttfa_parts_ms'))} "
             f"| {lv['refused']} / {lv['failed']} |"
         )
     return lines

@@ -43,6 +43,7 @@ from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
 from workflow.serve.scheduler import Scheduler
 from workflow.vocoder import SECONDS_PER_TOKEN
 
+TTFA_PARTS = ("queued", "first_chunk", "first_pcm")  # Request.ttfa_parts: admitted, first audible chunk sent, its PCM ready
 PACE_POLL_S = 0.002  # with pace: the loop's sleep at most, while no stream needs decoding
 
 
@@ -127,6 +128,13 @@ def underruns(req: Request, sample_rate: float) -> tuple[int, float]:
     """(chunks ready after they were due, seconds stalled) of one stream."""
     late = [t - due for t, due in audible(req, sample_rate) if t > due]
     return len(late), sum(late)
+
+
+def slowest_parts(parts: list[tuple[float, float, float]]) -> dict[str, float]:
+    """The mean of each part of time to first audio (ms) over the slowest tenth of the requests (at
+    least one; `parts` sorted by their sum, slowest last): what the level's p90-p99 is made of."""
+    tail = parts[-max(1, len(parts) // 10) :] if parts else []
+    return {k: 1e3 * sum(p[i] for p in tail) / len(tail) if tail else float("nan") for i, k in enumerate(TTFA_PARTS)}
 
 
 def playback_end(req: Request, sample_rate: float) -> float:
@@ -236,6 +244,7 @@ def run_level(
     ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
     queued = [1e3 * (r.t_admit - r.t_arrival) for r in served if r.t_admit is not None]
     runs = [underruns(r, rate) for r in served]
+    parts = sorted((p for r in served if (p := r.ttfa_parts()) is not None), key=sum)  # slowest last
     offered = level.value if level.kind == "closed" else level.value * level.mean_reply_s
     return {
         "kind": level.kind,
@@ -247,6 +256,8 @@ def run_level(
         "failed": sum(r.error is not None and not r.error.startswith("refused") for r in done),
         "ttfa_ms": percentiles(ttfa),
         "queued_ms": percentiles(queued),  # arrival to admission: part of time to first audio
+        "ttfa_parts_ms": {k: percentiles([1e3 * p[i] for p in parts]) for i, k in enumerate(TTFA_PARTS)},
+        "slowest_ttfa_parts_ms": slowest_parts(parts),
         "max_streams": sched.max_streams,
         "peak_streams": peak,  # the most open at once after an iteration: whether the level met max_streams
         "underruns": sum(n for n, _ in runs),

@@ -36,6 +36,7 @@ class Request:
     chunk_ready: list[float] = field(default_factory=list)  # filled in when known: see `stamped`
     chunk_codes: list[int] = field(default_factory=list)  # of each chunk made
     chunk_samples: list[int] = field(default_factory=list)  # PCM each chunk sent made final (0: none yet)
+    chunk_sent: list[float] = field(default_factory=list)  # when each chunk went to the detokenizer
     error: str | None = None  # refused, cancelled, or failed; None: served
     finished: bool = False
 
@@ -59,6 +60,16 @@ class Request:
         if not pace or start is None:
             return float("-inf")
         return start + (len(self.codes) * SECONDS_PER_TOKEN - lead_s) / pace
+
+    def ttfa_parts(self) -> tuple[float, float, float] | None:
+        """Time to first audio in three parts (s): queued (arrival to admission), the first audible
+        chunk made (admission to its sending: prefill, decode steps) and its PCM (sent to ready: the
+        detokenizer's lane and call). None while its first PCM is not known."""
+        i = next((k for k, n in enumerate(self.chunk_samples[: len(self.chunk_ready)]) if n), None)
+        if i is None or self.t_admit is None:
+            return None
+        sent = self.chunk_sent[i]
+        return self.t_admit - self.t_arrival, sent - self.t_admit, self.chunk_ready[i] - sent
 
     @property
     def stamped(self) -> bool:

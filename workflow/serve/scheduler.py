@@ -221,8 +221,8 @@ class Scheduler:
             self._batch(go, urgent)
 
     def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
+        t = self.clock()
         if self.detokenize is None:  # no detokenizer: a chunk is ready when made, a "sample" a code
-            t = self.clock()
             ready: Ready = lambda wait: t  # noqa: E731
             samples = [len(codes) for _, codes, _, _ in chunks]
         else:
@@ -232,6 +232,7 @@ class Scheduler:
                 ready, samples = self.detokenize(pieces, urgent)
         for (req, _, _, _), n in zip(chunks, samples, strict=True):
             req.chunk_samples.append(n)
+            req.chunk_sent.append(t)
         self.unready.append((ready, [req for req, _, _, _ in chunks], urgent))
 
     def _stamp(self, wait: bool) -> None:
