@@ -40,7 +40,7 @@ def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None = 
 
     A stage stopped by SIGTERM (a time limit: Snakemake's, the device tool's) first prints every
     thread's Python stack to stderr, the rule's log: where a stage that hung was waiting."""
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)  # fd 2, whatever replaced sys.stderr
     try:
         main(argv)
     except InputError as e:
