@@ -4,11 +4,12 @@ the SLO; on the CPU, the tiny engine."""
 import pytest
 import torch
 
-from workflow import report
+from workflow import report, traffic
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
 from workflow.serve import load
 from workflow.serve.request import Request, ServeConfig
+from workflow.serve.scheduler import Scheduler
 from workflow.spec import PRESETS
 
 
@@ -92,6 +93,53 @@ def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):
     for req in done:
         paced_s = (len(req.codes) * 0.08 - 0.4) / 2
         assert req.chunk_ready[-1] - req.playback_start > 0.9 * paced_s
+
+
+@pytest.mark.parametrize("latency_s", [0.02, 0.08])
+def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
+    """H200 run 9's stalled setting on a fake clock (4 ms an iteration, 0.5 ms a paced wait): pace 2,
+    later chunks held 8 with 0.5 s of slack, first chunks apart, a detokenizer whose PCM is ready
+    `latency_s` after a first chunk is sent (3 x after a later one) with a 7-code first PCM. Sixteen
+    replies of 4-20 s arriving over 3 s: every one served, stamped and without underrun, and the
+    loop ends in about the time its longest paced reply takes."""
+    engine = load_engine(tiny_engine_dir, max_batch=8)
+    ids, now, rate = Ids.of(engine.spec), [0.0], 24000.0
+
+    class Detokenizer:  # the codec decoder's PCM: none for the first 2 codes (lookahead) until a stream's end
+        sample_rate, first_codes = rate, 7
+
+        def __init__(self) -> None:
+            self.codes: dict[int, int] = {}
+
+        def __call__(self, pieces, urgent):
+            at, samples = now[0] + latency_s * (1 if urgent else 3), []
+            for p in pieces:
+                before = self.codes.get(p.stream, 0)
+                self.codes[p.stream] = after = before + len(p.codes)
+                samples.append(1920 * ((after if p.last else max(0, after - 2)) - max(0, before - 2)))
+            return (lambda wait: at if wait or now[0] >= at else None), samples
+
+    cfg = ServeConfig(detokenize_hold=8, detokenize_slack_s=0.5, pace=2, max_streams=8, sampling=Sampling())
+    sched = Scheduler(engine, ids, cfg, Detokenizer(), lambda: now[0], torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    arrivals = sorted((3 * torch.rand(16, generator=g)).tolist())
+    replies = torch.randint(50, 251, (16,), generator=g).tolist()
+    reqs = [
+        Request(i, traffic.speech_prompt(1, 16, ids, seed=i)[0], max_steps=n + 5, reply_codes=n, t_arrival=t)
+        for i, (t, n) in enumerate(zip(arrivals, replies, strict=True))
+    ]
+    coming = list(reqs)  # in order of arrival
+    while coming or not sched.idle():
+        while coming and coming[0].t_arrival <= now[0]:
+            sched.submit(coming.pop(0))
+        waits = sched.wait_s() > 0
+        sched.iterate()
+        now[0] += 0.0005 if waits else 0.004
+        assert now[0] < 60, f"stalled: {len(sched.streams)} speaking, {len(sched.outbox)} chunks unsent"
+    sched.flush()
+    assert sorted(r.rid for r in sched.done) == list(range(16))
+    assert all(r.error is None and r.stamped and load.underruns(r, rate)[0] == 0 for r in reqs)
+    assert now[0] < 3 + (20 - 1) / 2 + 1  # the last arrival, then its reply at pace 2 past a 1 s lead
 
 
 def test_load_config_names_an_unknown_key():
