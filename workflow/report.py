@@ -202,8 +202,9 @@ def host_cell(h: dict | None) -> str:
 
 
 def parts_cell(parts: dict | None) -> str:
-    """The slowest tenth's time to first audio by part; '-' where a level did not record it."""
-    return " / ".join(f"{parts[k]:.0f}" for k in ("queued", "first_chunk", "first_pcm")) if parts else "-"
+    """The slowest tenth's time to first audio by part, in order (queued, first chunk, its PCM); '-'
+    where a level did not record it."""
+    return " / ".join(f"{v:.0f}" for v in parts.values()) if parts else "-"
 
 
 def load_markdown(load: dict) -> list[str]:
