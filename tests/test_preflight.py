@@ -61,3 +61,25 @@ def test_the_gpu_configs_benchmark_settings_run_and_keep_the_schema(files, tiny_
     assert b["speech"]["slots"] == gpu["codec"]["slots"] and b["speech"]["pool_seconds"] == gpu["codec"]["pool_seconds"]
     assert [lv["searched"] for lv in b["load"]["levels"]][:1] == [False]  # the given level, then what the search ran
     assert not Path(f"{out}.failed.json").exists()
+
+
+def test_a_catch_up_measured_below_zero_spreads_as_nothing():
+    """The text branch's catch-up is two medians' difference: on a busy CPU it came out at -120 ms
+    (a preflight run beside other work), which spread over the reply made the amortized step
+    negative and broke the schema. Measured below zero it adds nothing; above, its share per step."""
+
+    def summary(after_reply_ms: float) -> dict:
+        pct = lambda ms: {"p50": ms}  # noqa: E731
+        b = {
+            "streams": {"engine": {"1": {"ttfa_ms": pct(40.0) | {"p99": 41.0}, "rtf": pct(0.1)}}},
+            "microbench": {"engine": {"decode_audio_mode_ms": pct(2.0), "prefill_ms": pct(9.0),
+                                      "decode_text_mode_ms": pct(3.0), "decode_text_after_reply_ms": pct(after_reply_ms)}},
+            "floors": {"decode_audio_mode_ms": 1.0, "prefill_ms": 6.0},
+            "machine": {"copy_bandwidth_GBps": 3000.0, "matmul_peak_TFLOPs": 700.0},
+            "speech": {"kind": "codec"},
+        }  # fmt: skip
+        return benchmark.summarize(b, [1], reply_len=50)
+
+    noisy, real = summary(after_reply_ms=-117.0), summary(after_reply_ms=8.0)
+    assert noisy["text_catch_up_ms"] == -120.0 and noisy["decode_step_amortized_ms"] == 2.0  # as measured; spread as 0
+    assert real["text_catch_up_ms"] == 5.0 and real["decode_step_amortized_ms"] == 2.0 + 5.0 / 50
