@@ -40,11 +40,16 @@ class Request:
     error: str | None = None  # refused, cancelled, or failed; None: served
     finished: bool = False
 
+    def _first_audible(self) -> int | None:
+        """The first chunk with PCM (a detokenizer with lookahead gives none for the first codes), once
+        its ready time is known; None before."""
+        return next((i for i, n in enumerate(self.chunk_samples[: len(self.chunk_ready)]) if n), None)
+
     @property
     def playback_start(self) -> float | None:
-        """When the first chunk with PCM was ready (a detokenizer with lookahead gives none for the first
-        codes): its playback starts there. None while not known."""
-        return next((t for t, n in zip(self.chunk_ready, self.chunk_samples, strict=False) if n), None)
+        """When the first chunk with PCM was ready: its playback starts there. None while not known."""
+        i = self._first_audible()
+        return None if i is None else self.chunk_ready[i]
 
     @property
     def ttfa_s(self) -> float | None:
@@ -65,7 +70,7 @@ class Request:
         """Time to first audio in three parts (s): queued (arrival to admission), the first audible
         chunk made (admission to its sending: prefill, decode steps) and its PCM (sent to ready: the
         detokenizer's lane and call). None while its first PCM is not known."""
-        i = next((k for k, n in enumerate(self.chunk_samples[: len(self.chunk_ready)]) if n), None)
+        i = self._first_audible()
         if i is None or self.t_admit is None:
             return None
         sent = self.chunk_sent[i]
