@@ -19,7 +19,8 @@
 # and cores while bf16 is timed. H100 run 19 (the first two calls as one then): 371 / 456 / 353 s, the
 # machine held 1,360 s in all; H200 run 8 (h200.yaml): 189 / 346 / 409 / 345 s, held 1,343 s; H200
 # run 9 (hold 8: 261 detokenizer batches made ahead in ~150 s): 217 / 347 / 466 s, then FP8's
-# benchmark ~390 s of work. Download and convert (~100 s) are a call of their own because bf16's
+# benchmark ~390 s of work; H200 run 10: 216 / 408 / 501 / 419 s, held 1,607 s of the session's
+# 1,800. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
 # near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Each side's output is
 # in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
