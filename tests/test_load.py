@@ -9,7 +9,7 @@ from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
 from workflow.serve import load
 from workflow.serve.request import Request, ServeConfig
-from workflow.serve.scheduler import Scheduler
+from workflow.serve.scheduler import Iteration, Scheduler
 from workflow.spec import PRESETS
 
 
@@ -42,6 +42,46 @@ def test_the_slowest_tenths_parts_are_the_means_of_its_requests():
     assert load.slowest_parts(parts[:3]) == pytest.approx({"queued": 0.0, "first_chunk": 100.0, "first_pcm": 20.0})
 
 
+def test_slow_iterations_say_what_the_slowest_held_against_all():
+    """A level's slowest hundredth of decoding iterations: here the two of 200 that admitted prompts,
+    while half of all began beside a later codec batch and neither slow one did: the prefills, not
+    the codec, made them slow. Host ms by phase are their means."""
+    fast = [(1.0 + i / 1e3, Iteration(0, i % 2), {"sample": 0.5, "decode": 0.1}) for i in range(198)]
+    slow = [(50.0, Iteration(4, 0), {"sample": 48.0, "prefill": 1.0}), (60.0, Iteration(2, 0), {"sample": 58.0, "prefill": 1.0})]
+    got = load.slow_iterations(fast + slow)
+    assert got["threshold_ms"] == 50.0 and got["n"] == 2 and load.slow_iterations(fast[:99] + slow)["n"] == 1
+    assert got["mean_ms"] == 55.0 and got["with_prompts"] == 1.0 and got["prompts"] == 3.0 and got["beside_later"] == 0.0
+    assert got["all_with_prompts"] == 0.01 and got["all_beside_later"] == 0.495
+    assert got["host_ms"] == {"prefill": 1.0, "sample": 53.0}  # only the phases the slow ones ran
+    assert load.slow_iterations([]) == {}
+
+
+def test_the_scheduler_says_what_each_iteration_held(tiny_engine_dir):
+    """`Scheduler.last`: the prompts the iteration admitted (two at once, then none), and the later-chunk
+    batches still running as it began (a batch is ready 0.05 s of the clock after it is sent)."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    now, running = [0.0], []
+
+    def detokenize(pieces, urgent):
+        at = now[0] + 0.05
+        return (lambda wait: at if wait or now[0] >= at else None), [len(p.codes) for p in pieces]
+
+    cfg = ServeConfig(chunk_tokens=4, first_chunks_apart=False, detokenize_batches=100, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
+    for i in (1, 2):
+        sched.submit(Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=24, reply_codes=24))
+    held = []
+    while not sched.idle():
+        sched.iterate()
+        held.append(sched.last)
+        running.append(sum(not u for _, _, u in sched.unready))
+        now[0] += 0.01
+    assert held[0].prompts == 2 and all(h.prompts == 0 for h in held[1:])
+    assert held[0].later == 0 and max(h.later for h in held) >= 2  # batches of 4 codes every 0.04 s, each 0.05 s long
+    assert all(h.later <= r for h, r in zip(held[1:], running, strict=False))  # counted after the ready ones are stamped
+
+
 def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     """Two closed-loop levels and one Poisson level on the tiny engine: every request served,
     its first audio timed from its arrival, and the answer the largest level within the SLO."""
@@ -64,6 +104,9 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         parts, slowest = lv["ttfa_parts_ms"], lv["slowest_ttfa_parts_ms"]  # time to first audio by part
         assert parts["queued"] == q and parts["first_chunk"]["p50"] > 0 and parts["first_pcm"]["p99"] == 0  # no detokenizer
         assert parts["first_chunk"]["n"] == lv["served"] and sum(slowest.values()) >= lv["ttfa_ms"]["p50"]
+        s = lv["slow_iterations"]  # the slowest hundredth of its iterations, and what they held
+        assert s["n"] == max(1, it["n"] // 100) and s["threshold_ms"] <= s["mean_ms"] <= it["max"]
+        assert 0 < s["all_with_prompts"] < 1 and s["all_beside_later"] == s["beside_later"] == 0  # no detokenizer
     assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
@@ -78,6 +121,9 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert [r.split(" | ")[8] for r in rows] == [f"{h['decode']:.2f} / {h.get('detokenize', 0.0):.2f}" for h in host]
     slow = [lv["slowest_ttfa_parts_ms"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
     assert [r.split(" | ")[11] for r in rows] == [f"{s['queued']:.0f} / {s['first_chunk']:.0f} / 0" for s in slow]
+    lines = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith("- ")]  # a level's slow iterations
+    assert [r.split(":")[0] for r in lines] == ["- closed, 1 users", "- closed, 3 users", "- Poisson 2/s"]
+    assert all(" % began beside a later codec batch (of all 0 %)" in r and "host ms each: " in r for r in lines)
 
 
 def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):

@@ -237,10 +237,9 @@ def load_markdown(load: dict) -> list[str]:
         "| queued ms p99 | slowest tenth ms: queued / chunk / PCM | refused / failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for lv in sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"])):  # closed, then open; searched levels in place
-        t, d = lv["ttfa_ms"], lv["device_busy"]
-        what = f"closed, {lv['value']:g} users" if lv["kind"] == "closed" else f"Poisson {lv['value']:g}/s"
-        what += " (search)" if lv.get("searched") else ""
+    levels = sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"]))  # closed, then open; searched levels in place
+    for lv in levels:
+        t, d, what = lv["ttfa_ms"], lv["device_busy"], level_name(lv)
         lines.append(
             f"| {what} | {lv['offered_streams']:.0f} | {lv['requests']} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} "
             f"| {lv['underruns']} ({lv['stalled_s']:.2f}) | {lv['tokens_per_s']:.0f} | {lv['busy_fraction']:.2f} "
@@ -252,7 +251,28 @@ def load_markdown(load: dict) -> list[str]:
             f"| {parts_cell(lv.get('slowest_ttfa_parts_ms'))} "
             f"| {lv['refused']} / {lv['failed']} |"
         )
+    slow = [(lv, s) for lv in levels if (s := lv.get("slow_iterations"))]
+    if slow:
+        lines += ["", "Each level's slowest hundredth of decoding iterations, and what they held against all its iterations:", ""]
+        lines += [f"- {level_name(lv)}: {slow_line(s, lv['iterations'])}" for lv, s in slow]
     return lines
+
+
+def level_name(lv: dict) -> str:
+    what = f"closed, {lv['value']:g} users" if lv["kind"] == "closed" else f"Poisson {lv['value']:g}/s"
+    return what + (" (search)" if lv.get("searched") else "")
+
+
+def slow_line(s: dict, iterations: int) -> str:
+    """A level's slow iterations (load.slow_iterations) in words."""
+    host = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["host_ms"].items(), key=lambda kv: -kv[1]))
+    return (
+        f"{s['n']} of {iterations}, {s['threshold_ms']:.0f} ms and more (mean {s['mean_ms']:.0f}): "
+        f"{100 * s['with_prompts']:.0f} % admitted prompts ({s['prompts']:.1f} on average; "
+        f"of all {100 * s['all_with_prompts']:.0f} %), "
+        f"{100 * s['beside_later']:.0f} % began beside a later codec batch (of all {100 * s['all_beside_later']:.0f} %); "
+        f"host ms each: {host or '-'}"
+    )
 
 
 def plots(b: dict, out: Path) -> None:

@@ -40,11 +40,12 @@ from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
-from workflow.serve.scheduler import Scheduler
+from workflow.serve.scheduler import Iteration, Scheduler
 from workflow.vocoder import SECONDS_PER_TOKEN
 
 TTFA_PARTS = ("queued", "first_chunk", "first_pcm")  # Request.ttfa_parts: admitted, first audible chunk sent, its PCM ready
 PACE_POLL_S = 0.002  # with pace: the loop's sleep at most, while no stream needs decoding
+Record = tuple[float, Iteration, dict[str, float]]  # a decoding iteration: wall ms, what it held, host ms by phase
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,32 @@ def slowest_parts(parts: list[tuple[float, float, float]]) -> dict[str, float]:
     return {k: 1e3 * sum(p[i] for p in tail) / len(tail) if tail else float("nan") for i, k in enumerate(TTFA_PARTS)}
 
 
+def slow_iterations(iters: list[Record]) -> dict:
+    """What a level's slowest decoding iterations (the slowest hundredth, at least one) held against all
+    of them: the share that admitted prompts (a prefill) and that began beside a running later-chunk
+    batch of the detokenizer, and their mean host ms by phase (sampling's holds the wait for the
+    device). Where a slow iteration's time goes: the step's device time shared with a held codec
+    call, or prompts'."""
+    if not iters:
+        return {}
+    slow = sorted(iters, key=lambda r: r[0])[-max(1, len(iters) // 100) :]
+
+    def share(rows: list, held: Callable[[Iteration], int]) -> float:
+        return sum(held(it) > 0 for _, it, _ in rows) / len(rows)
+
+    return {
+        "threshold_ms": slow[0][0],  # the fastest of them
+        "n": len(slow),
+        "mean_ms": sum(ms for ms, _, _ in slow) / len(slow),
+        "with_prompts": share(slow, lambda it: it.prompts),
+        "prompts": sum(it.prompts for _, it, _ in slow) / len(slow),
+        "beside_later": share(slow, lambda it: it.later),
+        "all_with_prompts": share(iters, lambda it: it.prompts),
+        "all_beside_later": share(iters, lambda it: it.later),
+        "host_ms": {k: sum(h.get(k, 0.0) for _, _, h in slow) / len(slow) for k in sorted({k for _, _, h in slow for k in h})},
+    }
+
+
 def playback_end(req: Request, sample_rate: float) -> float:
     """When the stream's last sample has played (stalls included); its last chunk's readiness
     if it made no PCM."""
@@ -198,8 +225,8 @@ def run_level(
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
-    busy, active_sum, iterations, seen, peak, last_print = 0.0, 0, 0, 0, 0, t0
-    step_ms: list[float] = []  # each decoding iteration's wall time: an arrival waits up to one to be admitted
+    busy, active_sum, seen, peak, last_print = 0.0, 0, 0, 0, t0
+    iters: list[Record] = []  # each decoding iteration's
     listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
     while pending or listening or not sched.idle():
         now = clock()
@@ -221,13 +248,12 @@ def run_level(
             continue
         if (wait := sched.wait_s()) > 0:  # every stream ahead of its pace: chunks and stamps still looked at
             time.sleep(min(wait, PACE_POLL_S))
-        t_iter = clock()
+        t_iter, host = clock(), dict(sched.phases.host)
         decoded = sched.iterate()
         took = clock() - t_iter
         busy += took
-        if decoded:
-            step_ms.append(1e3 * took)
-        iterations += decoded
+        if decoded:  # an arrival waits up to one to be admitted
+            iters.append((1e3 * took, sched.last, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
         active_sum += len(sched.streams) if decoded else 0
         peak = max(peak, sched.streams_open())
         if progress and clock() - last_print > 2.0:
@@ -245,6 +271,7 @@ def run_level(
     queued = [1e3 * (r.t_admit - r.t_arrival) for r in served if r.t_admit is not None]
     runs = [underruns(r, rate) for r in served]
     parts = sorted((p for r in served if (p := r.ttfa_parts()) is not None), key=sum)  # slowest last
+    step_ms = [ms for ms, _, _ in iters]
     offered = level.value if level.kind == "closed" else level.value * level.mean_reply_s
     return {
         "kind": level.kind,
@@ -266,9 +293,10 @@ def run_level(
         "busy_fraction": busy / wall,
         "device_busy": {phase: s / wall for phase, s in sorted(sched.phases.seconds.items())},
         "host_busy": {phase: s / wall for phase, s in sorted(sched.phases.host.items())},
-        "mean_active_slots": active_sum / max(1, iterations),
+        "mean_active_slots": active_sum / max(1, len(iters)),
         "iteration_ms": percentiles(step_ms) | {"max": max(step_ms, default=0.0)},
-        "iterations": iterations,
+        "slow_iterations": slow_iterations(iters),
+        "iterations": len(iters),
         "wall_s": wall,
     }, done
 

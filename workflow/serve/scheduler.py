@@ -43,7 +43,9 @@ One thread owns the engine. Each `iterate`:
    of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
-phase (prefill, sampling, decode, detokenizer).
+phase (prefill, sampling, decode, detokenizer), and `last` says what the last iteration held (the
+prompts it admitted, the later-chunk batches running as it began), so that the load benchmark can
+say what its slow iterations held.
 
 A request the engine cannot take is refused at `submit` with a one-line reason (an id outside
 the vocabularies, a prompt or reply longer than a slot, every slot busy when `when_full` is
@@ -56,6 +58,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -65,6 +68,15 @@ from workflow.generate import Ids, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
 from workflow.vocoder import SECONDS_PER_TOKEN
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """What one iteration held beside its work: the prompts it admitted (prefilled) and the detokenizer's
+    later-chunk batches still running as it began (on CUDA beside its decode step)."""
+
+    prompts: int = 0
+    later: int = 0
 
 
 class Scheduler:
@@ -96,6 +108,7 @@ class Scheduler:
         self.outbox: list[tuple[Request, list[int], int, bool]] = []  # chunks made, not yet sent (codes, done, last)
         self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
         self.phases = Phases(dev, clock)
+        self.last = Iteration()  # what the last iteration held
 
     def submit(self, req: Request) -> bool:
         """Queue a request, or refuse it (req.error says why, req is done): False."""
@@ -143,7 +156,8 @@ class Scheduler:
         """One admission, sampling, retirement, decode step and detokenization (module docstring);
         whether it decoded (with `pace`, not while every stream is ahead of it: `wait_s`)."""
         self._stamp(wait=False)
-        self._admit()
+        later = sum(not urgent for _, _, urgent in self.unready)
+        self.last = Iteration(self._admit(), later)
         if not self.streams:
             self._send(due=True)
             return False
@@ -247,7 +261,8 @@ class Scheduler:
             self.unready.popleft()
         self.phases.collect(wait)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Admit queued requests into free slots (module docstring, 1.) and prefill them; how many."""
         free, budget, admitted = self._free_slots(), self.cfg.prefill_tokens, []
         while self.queue and free and (not admitted or budget >= self.queue[0].prompt.shape[0]):
             if not self._holds([*self._open_requests(), *admitted, self.queue[0]]):
@@ -274,6 +289,7 @@ class Scheduler:
             for req, m in zip(group, mode, strict=True):
                 self.streams[req.slot], self.mode[req.slot] = req, m
             self._add_logits(slots, text, audio)
+        return len(admitted)
 
     def streams_open(self) -> int:
         """Streams open: from admission until the last chunk is sent (so long the detokenizer keeps a
