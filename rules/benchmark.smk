@@ -4,6 +4,7 @@ rule benchmark:
         engine=f"{VARIANT}/engine",
         calib=f"{RESULTS}/calib-{PRECISION}",
         hf=f"{RESULTS}/hf",
+        voice=codec_voice(),
         code=code("benchmark"),
     output:
         report(

@@ -185,3 +185,10 @@ def res(rule):
 
 def as_json(obj):
     return json.dumps(obj, sort_keys=True)
+
+
+def codec_voice():
+    """The codec decoder's voice file where the config names one (benchmark.codec.voice): an input of
+    the benchmark, so that a new file, not only a new path, reruns it."""
+    voice = (config["benchmark"].get("codec") or {}).get("voice")
+    return [voice] if voice else []

@@ -242,6 +242,22 @@ def test_a_new_synthetic_checkpoint_reruns_everything(chain):
     assert chain.planned("--config", "model={seed: 1}") == EVERYTHING
 
 
+def test_a_voice_file_is_an_input_of_the_benchmark(chain, tmp_path):
+    """benchmark.codec.voice: the benchmark and what follows it rerun, the file among its inputs, so
+    that a new file at the same path reruns it too."""
+    from codec_alone import voice_of  # torch: imported only where a test needs it
+
+    from workflow.codec import voice
+
+    path = tmp_path / "voice.safetensors"
+    voice.save(path, voice_of(11))
+    args = ("--config", f"benchmark={{codec: {{voice: '{path}'}}}}")
+    assert chain.planned(*args) == {"benchmark", "pages", "all"}
+    r = chain.run("-n", *args)
+    block = next(b for b in re.split(r"^(?=(?:local)?rule )", r.stdout, flags=re.M) if b.startswith("rule benchmark:"))
+    assert str(path) in re.search(r"^    input: (.*)$", block, flags=re.M).group(1)
+
+
 def test_changed_resources_rerun_nothing(chain):
     assert chain.planned("--config", "resources={default: {mem_mb: 9000, runtime: 60}, verify: {gpu: 1}}") == set()
 

@@ -227,6 +227,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             "dtype": t.dtype,
             "weights": t.weights or "random",
             "prompt_codes": t.prompt_codes,
+            "voice": t.voice or "random",
             "graphs": graphs,
             "compiled": decoder.compiled,
             "kernels": decoder.kernels,
@@ -234,7 +235,8 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             "pool_seconds": t.pool_seconds,
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
-            f"{t.dtype}; HiFT float32, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
+            f"{'the voice of ' + t.voice if t.voice else 'a random voice'}, {t.dtype}; "
+            f"HiFT float32, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
             f"the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
             + (", the slots' transformer blocks as Triton kernels" if decoder.kernels and t.slots else "")
             + (", the flow and HiFT's network from CUDA graphs" if graphs else ""),

@@ -47,6 +47,7 @@ import torch
 
 from workflow import roofline
 from workflow.codec import checkpoint
+from workflow.codec import voice as voice_file
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
@@ -78,6 +79,7 @@ class CodecTiming:
     slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
     pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
+    voice: str | None = None  # None: a random voice; a voice file (voice.py), whose codes are prompt_codes (from_dict)
 
     def __post_init__(self) -> None:
         """The settings checked wherever they come from (`from_dict`, or `dataclasses.replace`)."""
@@ -97,6 +99,8 @@ class CodecTiming:
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"benchmark.codec: unknown key(s) {', '.join(unknown)}")
+        if d.get("voice"):  # the voice file's codes are the prompt's
+            d = d | {"prompt_codes": voice_file.codes_in(d["voice"])}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
@@ -263,7 +267,9 @@ def stream_decoder(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, 
 
 
 def voice_of(t: CodecTiming, dec: CodecDecoder) -> VoicePrompt:
-    """A voice of `prompt_codes` random codes, log-mel and x-vector (no CAM++ here: the x-vector is random too)."""
+    """The voice file's (`voice`), or a voice of `prompt_codes` random codes, log-mel and x-vector."""
+    if t.voice:
+        return voice_file.load(t.voice, dec.cfg)
     cfg, g = dec.cfg.encoder, torch.Generator().manual_seed(t.seed)
     codes = torch.randint(0, min(cfg.vocab_size, 16384), (t.prompt_codes,), generator=g)
     return VoicePrompt(
