@@ -104,3 +104,32 @@ def test_a_seeded_bug_fails_it(device):
         theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
         ours = kernels.block(b, h, pool.clone(), ix.keys, ix.writes, ix.starts, ix.valid, 1 << 20)
     assert (ours[0, :4].float() - theirs[0, :4].float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_snake_in_one_kernel_is_hifts_snake_and_hift_gives_the_same_pcm(device):
+    """HiFT's Snake (x + sin^2(alpha x) / alpha, an alpha per channel) in one kernel, against torch's ops:
+    a tensor that fills no whole block and channels of other alphas (a kernel reading the wrong
+    channel's alpha fails); then HiFT's PCM with every Snake fused, the tiny shape, float32 (HiFT's)."""
+    from workflow.codec.config import CodecConfig
+    from workflow.codec.hift import HiFT, Snake
+
+    g = torch.Generator().manual_seed(5)
+    act = Snake(3).to(device)
+    act.alpha.data = torch.tensor([0.5, 1.0, 3.0], device=device)
+    x = (4 * torch.randn(2, 3, 700, generator=g)).to(device)
+    want = act(x)
+    act.fused = True
+    assert (act(x) - want).abs().max() <= 1e-5
+    assert (kernels.snake(x, act.alpha.flip(0)) - want).abs().max() > 0.1  # the alphas' order matters
+    hift = HiFT(CodecConfig.tiny().hift).to(device).eval()
+    for m in hift.modules():
+        if isinstance(m, Snake):  # alphas of their own, not the initial ones
+            m.alpha.data = (0.5 + torch.rand(m.alpha.shape, generator=g)).to(device)
+    mel = torch.randn(1, 80, 12, generator=g).to(device)
+    with torch.no_grad():
+        source = hift.source(mel)
+        plain = hift.decode(mel, source)
+        hift.fuse_snakes()
+        fused = hift.decode(mel, source)
+    assert all(m.fused for m in hift.modules() if isinstance(m, Snake)) and (fused - plain).abs().max() <= 1e-5

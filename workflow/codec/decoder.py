@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from workflow.codec import kernels as kernels_module
 from workflow.codec.config import CodecConfig, HiftConfig, MelConfig
 from workflow.codec.encoder import FlowFrontEnd
 from workflow.codec.estimator import CausalConditionalDecoder, Past
@@ -136,12 +137,14 @@ class CodecDecoder(nn.Module):
     (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt. `official`: the solves run
     the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass;
     `compiled`: the fast pass's blocks through torch.compile (fast.py); `kernels`: the flow slots' transformer
-    blocks as Triton kernels (kernels.py, CUDA)."""
+    blocks and HiFT's Snake activations as Triton kernels (kernels.py, CUDA)."""
 
     def __init__(
         self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False, kernels: bool = False
     ) -> None:
         super().__init__()
+        if kernels and not kernels_module.available():
+            raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
         self.official, self.kernels = official, kernels
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
@@ -149,6 +152,7 @@ class CodecDecoder(nn.Module):
         self.fast = FastEstimator(self.estimator, compiled)  # reads the estimator's weights at each call
         self.noise = FixedNoise(cfg.solver.noise_frames, cfg.solver.noise_seed, cfg.encoder.mel)
         self.hift = HiFT(cfg.hift)
+        self.hift.fuse_snakes(kernels)
         self.source = NsfSource(self.hift)
 
     @property

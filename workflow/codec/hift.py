@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workflow.codec import kernels
 from workflow.codec.config import HiftConfig
 
 DEFAULT_SEED = 0  # HiftConfig has no seed field: used when forward() gets no generator
@@ -30,13 +31,17 @@ ELU_CONVS = 5  # ConvRNNF0Predictor: five Conv1d(k=3) + ELU pairs, then Linear(c
 
 
 class Snake(nn.Module):
-    """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]."""
+    """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]. `fused`
+    (`HiFT.fuse_snakes`): one Triton kernel (kernels.snake) in place of torch's six."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
+        self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return kernels.snake(x, self.alpha)
         a = self.alpha[None, :, None]
         return x + torch.sin(a * x).pow(2) / (a + 1e-9)
 
@@ -155,6 +160,12 @@ class HiFT(nn.Module):
         self.conv_post = nn.Conv1d(c >> len(cfg.upsample_rates), n_fft + 2, 7, padding=3)
         self.f0_predictor = F0Predictor(cfg.mel, cfg.f0_channels)
         self.register_buffer("window", torch.hann_window(n_fft), persistent=False)  # periodic, as scipy's fftbins=True
+
+    def fuse_snakes(self, on: bool = True) -> None:
+        """Every Snake as one Triton kernel (on CUDA, or Triton's interpreter), or as torch's ops."""
+        for m in self.modules():
+            if isinstance(m, Snake):
+                m.fused = on
 
     def source(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """mel [B, mels, F] -> the NSF source [B, 1, F*hop]."""

@@ -1,5 +1,5 @@
-"""The slot pass's transformer blocks (slots.py) in five Triton kernels, for CUDA (Triton's interpreter
-runs them on the CPU in the tests).
+"""The slot pass's transformer blocks (slots.py) in five Triton kernels, and HiFT's Snake activation in
+one (`snake`), for CUDA (Triton's interpreter runs them on the CPU in the tests).
 
 Why: at batch 1 an ODE step is bound by how many kernels it launches, ~3.5 us each even from a CUDA
 graph (docs/levers.md, "H100 codec 3" and "H100 codec 4"), and the slot pass's transformer block,
@@ -52,6 +52,7 @@ class Tile:
 
 
 BLOCK_KEYS, ATTENTION_WARPS = 128, 4  # attention: keys a step of a program's loop
+SNAKE_BLOCK = 1024  # snake: values a program
 
 
 def available() -> bool:
@@ -192,6 +193,16 @@ if triton is not None:
         out = y_ptr + (r * Q + i)[:, None] * inner + h * D + d[None, :]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
 
+    @triton.jit
+    def _snake(x_ptr, a_ptr, y_ptr, n, C, T, BLOCK: tl.constexpr):
+        """y = x + sin(a x)^2 / (a + 1e-9) over x [B, C, T] (flat), a [C]: HiFT's Snake in one pass."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        x = tl.load(x_ptr + i, mask=ok, other=0.0)
+        a = tl.load(a_ptr + (i // T) % C, mask=ok, other=1.0)
+        s = tl.sin(a * x)
+        tl.store(y_ptr + i, x + s * s / (a + 1e-9), mask=ok)
+
 
 def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -276,3 +287,14 @@ def block(
     h = linear(y.view(r * nq, -1), a.to_out[0].weight, a.to_out[0].bias, residual=x)
     g = linear(h, ff[0].proj.weight, ff[0].proj.bias, norm=b.norm3, gelu=True)
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)
+
+
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """HiFT's Snake (hift.Snake) over x [B, C, T] in one kernel, where torch launches six (its multiply,
+    sine, square, the alpha's epsilon, division and sum): ~430 of HiFT's launches a call at the true
+    shape, ~70 % of them."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.numel()
+    _snake[(triton.cdiv(n, SNAKE_BLOCK),)](x, alpha, y, n, x.shape[1], x.shape[2], BLOCK=SNAKE_BLOCK, num_warps=4)
+    return y

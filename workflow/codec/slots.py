@@ -303,9 +303,7 @@ class SlotPass:
 
     def __init__(self, decoder: CodecDecoder) -> None:
         self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
-        if decoder.kernels and not kernels.available():
-            raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
-        self.kernels = decoder.kernels
+        self.kernels = decoder.kernels  # CodecDecoder checked that triton is there
         wrap = compile_block if decoder.compiled else lambda f: f
         self.resnet = wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
