@@ -271,7 +271,7 @@ def voice_of(t: CodecTiming, dec: CodecDecoder) -> VoicePrompt:
     if t.voice:
         return voice_file.load(t.voice, dec.cfg)
     cfg, g = dec.cfg.encoder, torch.Generator().manual_seed(t.seed)
-    codes = torch.randint(0, min(cfg.vocab_size, 16384), (t.prompt_codes,), generator=g)
+    codes = torch.randint(0, min(cfg.vocab_size, voice_file.AUDIO_CODES), (t.prompt_codes,), generator=g)
     return VoicePrompt(
         codes, torch.randn(cfg.mel, t.prompt_codes * cfg.stride, generator=g), torch.randn(cfg.spk_dim, generator=g)
     )
