@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from workflow.codec import kernels, slots
+from workflow.codec.config import CodecConfig
 from workflow.codec.estimator import TransformerBlock
+from workflow.codec.hift import HiFT, Snake
 from workflow.codec.slots import SlotIndex, SlotPass, row_bias
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
@@ -112,9 +114,6 @@ def test_snake_in_one_kernel_is_hifts_snake_and_hift_gives_the_same_pcm(device, 
     a tensor that fills no whole block and channels of other alphas (a kernel reading the wrong
     channel's alpha fails); then HiFT's PCM with every Snake fused, the tiny shape, float32 (HiFT's;
     on CUDA with TF32 off, so that the convolutions do not round the two apart)."""
-    from workflow.codec.config import CodecConfig
-    from workflow.codec.hift import HiFT, Snake
-
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     g = torch.Generator().manual_seed(5)
     act = Snake(3).to(device)

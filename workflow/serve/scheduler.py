@@ -156,7 +156,7 @@ class Scheduler:
         """One admission, sampling, retirement, decode step and detokenization (module docstring);
         whether it decoded (with `pace`, not while every stream is ahead of it: `wait_s`)."""
         self._stamp(wait=False)
-        later = sum(not urgent for _, _, urgent in self.unready)
+        later = self._later_running()
         self.last = Iteration(self._admit(), later)
         if not self.streams:
             self._send(due=True)
@@ -189,9 +189,13 @@ class Scheduler:
         due = min(r.decode_due_at(self.cfg.pace, self.cfg.pace_lead_s) for r in self.streams.values())
         return max(0.0, due - self.clock())
 
+    def _later_running(self) -> int:
+        """The batches of later chunks sent and not yet known ready."""
+        return sum(not urgent for _, _, urgent in self.unready)
+
     def _batch_free(self) -> bool:
         """Whether fewer than `detokenize_batches` batches of later chunks are running."""
-        return sum(not urgent for _, _, urgent in self.unready) < self.cfg.detokenize_batches
+        return self._later_running() < self.cfg.detokenize_batches
 
     def flush(self) -> None:
         """Send what waits, then wait for the detokenizer and the device: every chunk made is
