@@ -107,6 +107,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         s = lv["slow_iterations"]  # the slowest hundredth of its iterations, and what they held
         assert s["n"] == max(1, it["n"] // 100) and s["threshold_ms"] <= s["mean_ms"] <= it["max"]
         assert 0 < s["all_with_prompts"] < 1 and s["all_beside_later"] == s["beside_later"] == 0  # no detokenizer
+        assert lv["anchor_put_off"] == 0  # no detokenizer, no clock anchor
     assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
@@ -124,6 +125,10 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     lines = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith("- ")]  # a level's slow iterations
     assert [r.split(":")[0] for r in lines] == ["- closed, 1 users", "- closed, 3 users", "- Poisson 2/s"]
     assert all(" % began beside a later codec batch (of all 0 %)" in r and "host ms each: " in r for r in lines)
+    assert not any("anchor" in r for r in lines)  # said only where a renewal was put off
+    put_off = [lv | {"anchor_put_off": 3} if lv["value"] == 3 else lv for lv in out["levels"]]
+    lines = [r for r in report.load_markdown(out | {"levels": put_off, "memory": memory}) if r.startswith("- ")]
+    assert [r.endswith("anchor put off 3 times (its event queued behind a lane's work)") for r in lines] == [False, True, False]
 
 
 def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):

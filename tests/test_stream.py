@@ -10,7 +10,7 @@ import torch
 import yaml
 from test_generate import IDS, Scripted
 
-from workflow.detokenize import Inline, StandIn, chunk_due, host_time, overlaps
+from workflow.detokenize import Inline, Lanes, StandIn, chunk_due, host_time, overlaps, seen_complete
 from workflow.stream import Chunk, Timeline, audio_seconds, check_stream, chunks_of, device_clock, run_stream
 from workflow.traffic import speech_prompt
 from workflow.vocoder import MelStandIn
@@ -195,6 +195,100 @@ def test_host_time_is_never_earlier_than_the_truth():
         derived = host_time(anchor_done + delay, elapsed_ms)
         assert derived >= truth - 1e-9 * max(1.0, truth)  # float rounding only
         assert derived - truth == pytest.approx(delay, abs=1e-9 * max(1.0, truth))
+
+
+class Ticks:
+    """A clock that moves `step` seconds each read (a host spinning on an event)."""
+
+    def __init__(self, step: float = 1e-4):
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+class Event:
+    """A CUDA event stand-in: complete once the clock passes `done_at` (set by the test per event)."""
+
+    made: list["Event"] = []
+    done_at = 0.0
+
+    def __init__(self, enable_timing: bool = False):
+        self.recorded, self.waited, self.at = False, False, Event.done_at
+        Event.made.append(self)
+
+    def record(self, stream: object) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return CLOCK.t >= self.at
+
+    def synchronize(self) -> None:
+        self.waited = True
+        CLOCK.t = max(CLOCK.t, self.at)
+
+
+CLOCK = Ticks()  # the events' and the lanes' clock; each test sets it back to 0
+
+
+@pytest.fixture
+def lanes(monkeypatch):
+    """A `Lanes` whose anchor events are `Event`s on the `CLOCK`, renewed every 2 s."""
+    CLOCK.t, Event.made, Event.done_at = 0.0, [], 0.0
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    out = Lanes(24000, torch.device("cpu"), CLOCK, anchor_s=2.0)
+    out.idle = object()
+    return out
+
+
+def test_seen_complete_gives_the_time_first_seen_or_none_past_the_watch():
+    CLOCK.t = 0.0
+    e = Event()
+    e.at = 0.0005
+    assert seen_complete(e, CLOCK, 0.001) == pytest.approx(0.0005, abs=1.1e-4)  # seen within a tick of it
+    late = Event()
+    late.at = 1.0
+    assert seen_complete(late, CLOCK, 0.001) is None
+    assert CLOCK.t < 0.01  # it gave up, not waited
+
+
+def test_the_first_anchor_waits_and_a_renewal_stuck_behind_a_lane_does_not(lanes):
+    """The first anchor is waited for. Two seconds on, a renewal whose event completes at once is taken
+    at the time it was seen; one whose event sits behind a lane's work (complete 80 ms on) is put off:
+    the old anchor serves on at once, no new try until anchor_s / 8 later, then one that completes is
+    taken."""
+    Event.done_at = 0.05  # the first: complete 50 ms on
+    first, t_first = lanes._anchor()
+    assert first.waited and t_first >= 0.05
+    assert lanes._anchor() == (first, t_first) and len(Event.made) == 1  # not yet due
+    CLOCK.t = t_first + 2.1
+    Event.done_at = CLOCK.t  # complete as recorded
+    second, t_second = lanes._anchor()
+    assert second is not first and not second.waited
+    assert t_first + 2.1 <= t_second < t_first + 2.1 + 0.001
+    CLOCK.t = t_second + 2.1
+    Event.done_at = CLOCK.t + 0.08  # queued behind 80 ms of a lane's work
+    before = CLOCK.t
+    assert lanes._anchor() == (second, t_second)
+    assert CLOCK.t - before < 0.002 and lanes.renewals_put_off == 1 and not Event.made[-1].waited
+    made = len(Event.made)
+    CLOCK.t += 0.1  # within anchor_s / 8 of the try: no new event
+    assert lanes._anchor() == (second, t_second) and len(Event.made) == made
+    CLOCK.t += 0.2
+    Event.done_at = CLOCK.t
+    third, t_third = lanes._anchor()
+    assert third is Event.made[-1] and t_third > t_second + 2.1 and lanes.renewals_put_off == 1
+
+
+def test_an_unbounded_watch_waits_for_the_renewal_as_before(lanes):
+    lanes.anchor_wait_s = float("inf")
+    Event.done_at = 0.0
+    lanes._anchor()
+    CLOCK.t = 3.0
+    Event.done_at = 3.08
+    anchor, t = lanes._anchor()
+    assert anchor is Event.made[-1] and t >= 3.08 and lanes.renewals_put_off == 0
 
 
 # --- the switch in the config ------------------------------------------------------------

@@ -78,14 +78,25 @@ def overlaps(overlap: bool, device: torch.device) -> bool:
     return overlap and device.type == "cuda"
 
 
+def seen_complete(event: torch.cuda.Event, clock: Clock, within_s: float) -> float | None:
+    """The clock when the event is first seen complete, watched for at most `within_s` (None: not by
+    then). The time is no earlier than the event's completion and at most the watch's polling late."""
+    t0 = clock()
+    while True:
+        if event.query():
+            return clock()
+        if clock() - t0 > within_s:
+            return None
+
+
 def host_time(t_anchor: float, elapsed_ms: float) -> float:
     """The host-clock time of a CUDA event recorded `elapsed_ms` after the anchor event.
 
     t_anchor is read on the host after the anchor event was seen complete, so it is no earlier
     than the anchor's completion on the GPU; the event's derived time is therefore never
-    earlier than its true time (conservative: late by the anchor's synchronisation delay,
-    microseconds, plus the events' ~0.5 us resolution and any GPU/host clock drift over one
-    request, parts per million).
+    earlier than its true time (conservative: late by the delay before the anchor was seen
+    complete, microseconds, plus the events' ~0.5 us resolution and any GPU/host clock drift since
+    the anchor, parts per million).
     """
     return t_anchor + elapsed_ms / 1e3
 
@@ -245,10 +256,12 @@ class Lanes:
     CPU it runs in line and the clock is read after it."""
 
     first_codes = 1  # codes a stream needs before its first PCM: pieces until then are urgent
+    anchor_wait_s = 0.0005  # the longest a renewal of the anchor watches its event (inf: waits, whatever it takes)
 
     def __init__(self, sample_rate: float, device: torch.device, clock: Clock, anchor_s: float = 2.0):
         self.sample_rate, self.device, self.clock = sample_rate, device, clock  # PCM samples a second
         self.anchor_s, self.anchor, self.t_anchor = anchor_s, None, -float("inf")
+        self.t_renew, self.renewals_put_off = -float("inf"), 0  # the next try to renew the anchor; those put off
         cuda = device.type == "cuda"
         # two lanes: later pieces at the decode graphs' priority, first ones (urgent) above both
         # (-100 is clamped to the highest there is); a graph captured on a lane keeps its priority
@@ -281,11 +294,28 @@ class Lanes:
         raise NotImplementedError
 
     def _anchor(self) -> tuple[torch.cuda.Event, float]:
-        if self.clock() - self.t_anchor > self.anchor_s:
-            self.anchor = torch.cuda.Event(enable_timing=True)
-            self.anchor.record(self.idle)
-            self.anchor.synchronize()
-            self.t_anchor = self.clock()
+        """The anchor, renewed once `anchor_s` old: an event recorded on the idle stream and put on the
+        host clock when seen complete. The idle stream may share one of the GPU's hardware queues
+        with a lane (there are more streams than CUDA_DEVICE_MAX_CONNECTIONS), and then its event
+        completes only after the lane's work queued before it, a held codec batch's tens of ms, which a
+        wait would add to the loop's iteration. So a renewal watches its event for at most
+        `anchor_wait_s` (`seen_complete`); past that the old anchor serves on (the clocks drift apart by
+        parts per million) and a new one is tried `anchor_s / 8` later. Only the first one waits."""
+        now = self.clock()
+        if now < self.t_renew:
+            return self.anchor, self.t_anchor
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.idle)
+        if self.anchor is None:
+            event.synchronize()
+            seen = self.clock()
+        else:
+            seen = seen_complete(event, self.clock, self.anchor_wait_s)
+        if seen is None:
+            self.t_renew = now + self.anchor_s / 8
+            self.renewals_put_off += 1
+        else:
+            self.anchor, self.t_anchor, self.t_renew = event, seen, seen + self.anchor_s
         return self.anchor, self.t_anchor
 
 

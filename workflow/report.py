@@ -254,7 +254,7 @@ def load_markdown(load: dict) -> list[str]:
     slow = [(lv, s) for lv in levels if (s := lv.get("slow_iterations"))]
     if slow:
         lines += ["", "Each level's slowest hundredth of decoding iterations, and what they held against all its iterations:", ""]
-        lines += [f"- {level_name(lv)}: {slow_line(s, lv['iterations'])}" for lv, s in slow]
+        lines += [f"- {level_name(lv)}: {slow_line(s, lv['iterations'])}{anchor_note(lv)}" for lv, s in slow]
     return lines
 
 
@@ -273,6 +273,12 @@ def slow_line(s: dict, iterations: int) -> str:
         f"{100 * s['beside_later']:.0f} % began beside a later codec batch (of all {100 * s['all_beside_later']:.0f} %); "
         f"host ms each: {host or '-'}"
     )
+
+
+def anchor_note(lv: dict) -> str:
+    """How often the detokenizer's clock anchor found its idle stream behind a lane's work (detokenize.Lanes)."""
+    n = lv.get("anchor_put_off", 0)
+    return f"; the detokenizer's clock anchor put off {n} times (its event queued behind a lane's work)" if n else ""
 
 
 def plots(b: dict, out: Path) -> None:

@@ -221,7 +221,7 @@ def run_level(
     cfg = level.cfg
     serve = cfg.serve_config(chunk_tokens, sampling)
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
-    rate = pcm_rate(detokenize)
+    rate, put_off = pcm_rate(detokenize), getattr(detokenize, "renewals_put_off", 0)
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
@@ -296,6 +296,7 @@ def run_level(
         "mean_active_slots": active_sum / max(1, len(iters)),
         "iteration_ms": percentiles(step_ms) | {"max": max(step_ms, default=0.0)},
         "slow_iterations": slow_iterations(iters),
+        "anchor_put_off": getattr(detokenize, "renewals_put_off", 0) - put_off,  # its event behind a lane's work
         "iterations": len(iters),
         "wall_s": wall,
     }, done
