@@ -3,6 +3,7 @@ event-to-host-time arithmetic, the overlap switch in the config, and the fail-cl
 
 import random
 from pathlib import Path
+from typing import ClassVar
 
 import jsonschema
 import pytest
@@ -211,7 +212,7 @@ class Ticks:
 class Event:
     """A CUDA event stand-in: complete once the clock passes `done_at` (set by the test per event)."""
 
-    made: list["Event"] = []
+    made: ClassVar[list["Event"]] = []
     done_at = 0.0
 
     def __init__(self, enable_timing: bool = False):
