@@ -4,11 +4,12 @@ under load, H200 run 10), A/B in one process on one engine. "base" is h200.yaml 
 first" holds speaking streams' later chunks (but those due within the slack) while a stream awaits
 its first audio (`load.first_audio_first`, h200.yaml's 0.5 s of slack); "below" puts
 the detokenizer's later-chunk lane under the decode graphs' priority (new graphs for it, in a pool
-of their own). Each level records what its slowest hundredth of iterations held
+of their own); "anchor waits" renews the detokenizer's clock anchor waiting for its event, as before
+ba37bf4 (`Lanes.anchor_wait_s` inf). Each level records what its slowest hundredth of iterations held
 (`slow_iterations`: prompts admitted, a later codec batch running beside). A line per level as it
 ends, then every level's figures as JSON.
 
-    PROBE_ARMS="base|prefill 512|first audio first|below" PROBE_LEVELS=24,32,40 \
+    PROBE_ARMS="base|prefill 512|first audio first|below|anchor waits" PROBE_LEVELS=24,32,40 \
         python benchmarks/probe_iter.py <engine dir> <out.json> [config.yaml ...]
 """
 
@@ -37,6 +38,7 @@ ARMS = {
     "prefill 512": {"prefill_tokens": 512},
     "first audio first": {"first_audio_first": True},
     "below": {"below": True},
+    "anchor waits": {"anchor_wait_s": float("inf")},  # the clock anchor's renewal waited for, as before ba37bf4
 }
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
 LEVELS = [int(n) for n in os.environ.get("PROBE_LEVELS", "24,32,40").split(",")]
@@ -59,6 +61,7 @@ def line(name: str, lv: dict) -> str:
         f"queued p99 {lv['queued_ms']['p99']:.0f} ms | iteration p50/p99/max {lv['iteration_ms']['p50']:.1f}/"
         f"{lv['iteration_ms']['p99']:.1f}/{lv['iteration_ms']['max']:.0f} ms | slowest tenth queued/chunk/PCM "
         f"{'/'.join(f'{v:.0f}' for v in lv['slowest_ttfa_parts_ms'].values())} ms | served {lv['served']} | "
+        f"anchor put off {lv['anchor_put_off']} | "
         f"slow iterations {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in lv['slow_iterations'].items()})}"
     )
 
@@ -89,6 +92,7 @@ def main() -> None:
             cudagraphs.CAPTURE_PRIORITY = 0  # the later lane's graphs captured at its own priority, 0
             detokenize = CodecLanes(detokenize.batch, engine.device, time.perf_counter)
             detokenize.lanes[False] = torch.cuda.Stream(engine.device, priority=0)
+        detokenize.anchor_wait_s = over.pop("anchor_wait_s", type(detokenize).anchor_wait_s)
         lc = load.LoadConfig.from_dict(p["load"] | over)
         r = load.run(engine, detokenize, time.perf_counter, lc, ids, p["chunk_tokens"], sampling_of(p))
         results[name] = {"prepared": r["prepared"], "levels": r["levels"]}
