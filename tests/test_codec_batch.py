@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from codec_alone import ATOL_PCM, SPC, TINY, alone, in_steps, voice_of
 
 from workflow.codec.batch import CodecBatch
@@ -98,6 +99,53 @@ def test_a_streams_waiting_calls_vocode_in_one_pass(decoder, voice, monkeypatch,
     assert passes == [(2, True), (2, False), *later, (2, False), (2, False)]  # before: 4 rounds, then 2
     for k, c in codes.items():
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
+class Launches(TorchDispatchMode):
+    """Counts the ops that compute (not views) dispatched outside `CodecBatch._graphed` (CUDA graphs there)."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.n, self.inside, real = 0, 0, CodecBatch._graphed
+
+        def graphed(batch, *args):
+            self.inside += 1
+            try:
+                return real(batch, *args)
+            finally:
+                self.inside -= 1
+
+        monkeypatch.setattr(CodecBatch, "_graphed", graphed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        alias = func._schema.returns[0].alias_info if func._schema.returns else None
+        self.n += not self.inside and not (alias is not None and not alias.is_write)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_held_batchs_vocoding_launches_as_much_for_four_streams_as_for_one(decoder, voice, monkeypatch):
+    """Outside HiFT's passes (CUDA graphs there), vocoding a batch of held chunks launches nearly what it
+    launches for one stream's: each stream's frames joined in one copy, the source's cycles carried from call to
+    call and the cross-fades made rank by rank (the k-th calls of every stream together), the PCM joined
+    in one copy. Call by call it was ~120 ops a stream's 8 held chunks, which on CUDA queue behind the
+    batch's solve. Each stream's PCM is still its own alone."""
+    g = torch.Generator().manual_seed(9)
+    codes = {k: torch.randint(0, 1000, (37,), generator=g) for k in (1, 2, 3, 4)}
+    count = Launches(monkeypatch)
+    launched, pcm = {}, {}
+    for streams in (1, 4):  # 4 slots: HiFT's passes take 4 rows each, so 4 streams' 24 calls are more passes
+        batch = CodecBatch(decoder, voice, slots=4, max_codes=40, later_frames=120)
+        pieces = [Piece(k, codes[k][:7], 0) for k in range(1, streams + 1)]  # the first chunks, then six held each
+        got = batch.vocodes(batch.flows(pieces))
+        pieces = [Piece(k, codes[k][7 + 5 * j : 12 + 5 * j], 7 + 5 * j, j == 5) for k in range(1, streams + 1) for j in range(6)]
+        work = batch.flows(pieces)
+        with count:
+            held = batch.vocodes(work)
+        launched[streams], count.n = count.n, 0
+        pcm = {k: torch.cat([got[k - 1], *held[6 * (k - 1) : 6 * k]]) for k in range(1, streams + 1)}
+    assert launched[4] - launched[1] <= 3 * 8, launched  # a stream's frames joined, its rows' inputs; not ~13 a call
+    for k, c in codes.items():
+        assert (pcm[k] - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
 class GraphCalls:

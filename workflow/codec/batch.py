@@ -37,7 +37,7 @@ from torch import Tensor
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.hift import DEFAULT_SEED
 from workflow.codec.slots import PAGE, FlowSlots
-from workflow.codec.stream import CodecStream, FlowCall, first_hop
+from workflow.codec.stream import CodecStream, Excitation, FlowCall, first_hop, settle_all
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Piece
 from workflow.engines.base import to_device
@@ -209,13 +209,16 @@ class CodecBatch:
         the PCM each piece made final."""
         calls = [(s, m, last and j == len(ms) - 1, i) for i, (s, ms, last) in enumerate(work) for j, m in enumerate(ms)]
         pcm: list[list[Tensor]] = [[] for _ in work]
-        for (*_, i), x in zip(calls, self.hift([c[:3] for c in calls]), strict=True):
-            pcm[i].append(x)
+        for (*_, i), parts in zip(calls, self.hift([c[:3] for c in calls]), strict=True):
+            pcm[i] += parts
         for i, (s, m, last) in enumerate(work):
             if last and not m:  # nothing left to decode: the held tail is final
                 pcm[i].append(s.held)
                 s.held = s.held[:0]
-        return [torch.cat(x) if x else s.held.new_zeros(0) for x, (s, *_) in zip(pcm, work, strict=True)]
+        flat = [t for parts in pcm for t in parts]
+        if not flat:
+            return [s.held.new_zeros(0) for s, *_ in work]
+        return list(torch.cat(flat).split([sum(t.numel() for t in parts) for parts in pcm]))  # one copy, not one a piece
 
     @torch.inference_mode()  # also when warm() calls it: no autograd graph holding every step's activations
     def mel(self, calls: list[FlowCall], finalize: bool, keys: list[int] | None = None, solve: int = 0) -> list[Tensor]:
@@ -281,7 +284,7 @@ class CodecBatch:
         p = self.voice.mel.shape[1]
         return [mel[i, :, p + c.offset * stride - starts[i] : ends[i] - starts[i]] for i, c in enumerate(calls)]
 
-    def hift(self, calls: list[tuple[CodecStream, Tensor, bool]]) -> list[Tensor]:
+    def hift(self, calls: list[tuple[CodecStream, Tensor, bool]]) -> list[list[Tensor]]:
         """HiFT over calls (stream, new frames, final), a stream's in order, all in one pass. A call's F0
         reads only its frames, which are known, so every call's F0 is made first; each stream's source
         phase is then carried from one of its calls to the next (a running sum of that F0), and every
@@ -289,10 +292,13 @@ class CodecBatch:
         chunks cost one pass, not one a chunk, and each call gives what it gives alone. Calls of one shape
         (frames, F0 context, at a stream's start or not) go together, at most `pass_rows` a pass (the
         most `lanes.CodecLanes.warm` makes graphs for), each a graph on CUDA (a last call, of any
-        length, eager); then each stream's cross-fades, in order."""
-        xs = []
+        length, eager); then every call's cross-fade (`settle_all`). Each call's final PCM, in parts."""
+        xs, joined = [], {}  # per stream: its tail and every new frames here in one copy, and its first frame
         for s, m, final in calls:  # each call's frames and F0 context, its stream moved past it
-            xs.append(s.prepare(m))
+            if id(s) not in joined:
+                news = [m for t, m, _ in calls if t is s]
+                joined[id(s)] = torch.cat([s.mel_tail, *news], dim=1), s.frames - s.mel_tail.shape[1]
+            xs.append(s.prepare(m, *joined[id(s)]))
             s.advance(xs[-1], final)
         shapes = [(x.mel.shape[1], x.context, final) for x, (_, _, final) in zip(xs, calls, strict=True)]
         f0: list[Tensor] = [torch.empty(0)] * len(xs)
@@ -302,14 +308,7 @@ class CodecBatch:
             got = self._graphed(("f0", *shapes[idx[0]]), fn, last, torch.stack([xs[i].mel for i in self._rows(idx, last)]))
             for j, i in enumerate(idx):
                 f0[i] = got[j]
-        after: dict[int, Tensor | None] = {}  # a stream's source cycles before its next call here
-        its_last = {id(s): n for n, (s, _, _) in enumerate(calls)}
-        for n, ((s, _, _), x) in enumerate(zip(calls, xs, strict=True)):
-            if id(s) in after:
-                xs[n] = x = dataclasses.replace(x, before=after[id(s)])
-            if n < its_last[id(s)]:
-                nxt = max(0, x.end - s.mel_cache)  # as `CodecStream.settle` keeps it
-                after[id(s)] = self.decoder.source.cycles(f0[n], x.before)[nxt - x.start - 1] if nxt > 0 else None
+        xs = self._carried([s for s, _, _ in calls], xs, f0)
         shapes = [(*shape, x.before is None) for shape, x in zip(shapes, xs, strict=True)]
         out: list[tuple[Tensor, Tensor]] = [(torch.empty(0), torch.empty(0))] * len(xs)
         for idx in self._passes(shapes):
@@ -323,7 +322,45 @@ class CodecBatch:
             pcm, cycles = self._graphed(("hift", *shapes[idx[0]]), fn, last, *args)
             for j, i in enumerate(idx):
                 out[i] = pcm[j], cycles[j]
-        return [s.settle(pcm, x, cycles, final) for (s, _, final), x, (pcm, cycles) in zip(calls, xs, out, strict=True)]
+        return settle_all([(s, pcm, x, cycles, final) for (s, _, final), x, (pcm, cycles) in zip(calls, xs, out, strict=True)])
+
+    def _carried(self, streams: list[CodecStream], xs: list[Excitation], f0: list[Tensor]) -> list[Excitation]:
+        """The calls `xs`, each after its stream's first here counting its source's cycles on from the call
+        before it: that call's cycles at its last kept frame (its own `before` added), as
+        `CodecStream.settle` keeps them, or from zero where it kept none. The cycles of every call with a
+        successor come from its F0 alone, calls of one length at once; then the k-th calls of all streams
+        add theirs together: a held batch's calls would otherwise launch a dozen kernels each."""
+        prev: dict[int, int] = {}  # a call's predecessor: its stream's call before it here
+        rank: list[int] = []  # calls of its stream before it here
+        last: dict[int, int] = {}
+        for n, s in enumerate(streams):
+            if id(s) in last:
+                prev[n] = last[id(s)]
+            rank.append(rank[prev[n]] + 1 if n in prev else 0)
+            last[id(s)] = n
+        cut: dict[int, int] = {}  # a predecessor's frame its cycles are carried from (none where it kept none)
+        for p in prev.values():
+            if (nxt := max(0, xs[p].end - streams[p].mel_cache)) > 0:
+                cut[p] = nxt - xs[p].start - 1
+        at: dict[int, Tensor] = {}  # those cycles, [width] float64
+        by_len: dict[int, list[int]] = {}
+        for p in cut:
+            by_len.setdefault(f0[p].shape[-1], []).append(p)
+        for group in by_len.values():
+            rows, frames = to_device(f0[group[0]].device, [list(range(len(group))), [cut[p] for p in group]])
+            got = self.decoder.source.cycles(torch.stack([f0[p] for p in group]))[rows, frames]
+            at.update(zip(group, got.unbind(0), strict=True))
+        xs = list(xs)
+        for r in range(1, max(rank, default=0) + 1):
+            now = [n for n in prev if rank[n] == r]
+            add = [n for n in now if prev[n] in at and xs[prev[n]].before is not None]
+            summed = {}
+            if add:
+                total = torch.stack([xs[prev[n]].before for n in add]) + torch.stack([at[prev[n]] for n in add])
+                summed = dict(zip(add, total.unbind(0), strict=True))
+            for n in now:
+                xs[n] = dataclasses.replace(xs[n], before=summed.get(n, at.get(prev[n])))
+        return xs
 
     def _passes(self, shapes: list[tuple]) -> list[list[int]]:
         """The calls of each shape, in passes of at most `pass_rows` rows."""

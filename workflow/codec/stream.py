@@ -237,12 +237,13 @@ class CodecStream:
         pcm, cycles = self.decoder.hift_calls(x.mel[None], seed, start, before, context=x.context)
         return self.settle(pcm[0], x, cycles[0], final)
 
-    def prepare(self, new: Tensor) -> Excitation:
+    def prepare(self, new: Tensor, joined: Tensor | None = None, at: int = 0) -> Excitation:
         """What a HiFT call over the new frames [mels, n] needs of this stream (`_vocode` runs it for this
-        stream alone; `codec.batch` many streams' calls at once)."""
+        stream alone; `codec.batch` many streams' calls at once). joined: [mels, F], frames `at` on, this
+        stream's tail and new frames already joined (`codec.batch`: its calls' in one copy), read as views."""
         a, end = self.start, self.frames + new.shape[1]
-        mel = torch.cat([self.mel_tail, new], dim=1)  # frames [first, end)
-        first = end - mel.shape[1]
+        first = self.frames - self.mel_tail.shape[1]
+        mel = torch.cat([self.mel_tail, new], dim=1) if joined is None else joined[:, first - at : end - at]  # [first, end)
         return Excitation(mel, a - first, self.cycles, first, end)
 
     def advance(self, x: Excitation, final: bool) -> None:
@@ -258,19 +259,48 @@ class CodecStream:
     def settle(self, pcm: Tensor, x: Excitation, cycles: Tensor, final: bool) -> Tensor:
         """After HiFT's call `x` (its PCM, its source's cycles [F, width]), in the order of the stream's calls:
         cross-fade the head with the held tail, hold back the new tail unless final; the PCM now final."""
-        a, hop = x.start, self.decoder.cfg.hift.hop
-        n = self.held.numel()
-        if n:  # the new head rises as the old tail falls, the two weights summing to 1
-            up = self.fade if n == self.fade.numel() else rise(n, pcm.device)
-            pcm[:n] = (pcm[:n] * up + self.held * (1 - up)).to(pcm.dtype)
+        return torch.cat(settle_all([(self, pcm, x, cycles, final)])[0])
+
+    def _keep(self, pcm: Tensor, head: Tensor, x: Excitation, cycles: Tensor, final: bool) -> list[Tensor]:
+        """`settle` once the head [n] is cross-faded (pcm's first n samples, n the tail held before): the
+        new tail held back unless final, the source's phase kept; the PCM now final, in parts."""
+        n = head.numel()
         if final:
             self.held = pcm[:0]
-            return pcm
-        nxt = max(0, x.end - self.mel_cache)
-        keep = (nxt - a) * hop
-        self.held = pcm[keep:]
+            return [head, pcm[n:]]
+        a, nxt = x.start, max(0, x.end - self.mel_cache)
+        keep = (nxt - a) * self.decoder.cfg.hift.hop
+        self.held = pcm[keep:] if keep >= n else torch.cat([head[keep:], pcm[n:]])
         self.cycles = cycles[nxt - a - 1] if nxt > 0 else None
-        return pcm[:keep]
+        return [head[:keep], pcm[n:keep]]
+
+
+def settle_all(calls: list[tuple[CodecStream, Tensor, Excitation, Tensor, bool]]) -> list[list[Tensor]]:
+    """`CodecStream.settle` of many HiFT calls (stream, PCM, call, cycles, final), a stream's in order: the
+    PCM each made final, in parts (to be joined). The k-th calls of all streams cross-fade together, in one
+    set of ops a held tail's length (a stream's next call fades against the tail this one holds back): a
+    batch of a few streams' held chunks would otherwise launch six kernels a call."""
+    rank, seen = [], {}
+    for s, *_ in calls:
+        rank.append(seen.get(id(s), 0))
+        seen[id(s)] = rank[-1] + 1
+    out: list[list[Tensor]] = [[] for _ in calls]
+    for r in range(max(rank, default=-1) + 1):
+        by_n: dict[int, list[int]] = {}
+        for i, (s, *_) in enumerate(calls):
+            if rank[i] == r:
+                by_n.setdefault(s.held.numel(), []).append(i)
+        for n, group in by_n.items():
+            heads = [calls[i][1][:n] for i in group]
+            if n:  # each new head rises as its old tail falls, the two weights summing to 1
+                s0 = calls[group[0]][0]
+                up = s0.fade if n == s0.fade.numel() else rise(n, heads[0].device)
+                h, held = torch.stack(heads), torch.stack([calls[i][0].held for i in group])
+                heads = list((h * up + held * (1 - up)).to(h.dtype).unbind(0))
+            for i, head in zip(group, heads, strict=True):
+                s, pcm, x, cycles, final = calls[i]
+                out[i] = s._keep(pcm, head, x, cycles, final)
+    return out
 
     def state(self) -> list[Tensor]:
         """The device tensors a stream carries between calls (for a caller moving it between CUDA streams)."""
