@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from codec_alone import ATOL_PCM, SPC, TINY, alone, in_steps, voice_of
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workflow.codec.batch import CodecBatch
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
