@@ -326,11 +326,16 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     if capture := getattr(engine, "capture", None):
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(cfg.slots, cfg.prompt_len, admissions)
+    t_engine = time.perf_counter() - t0
     if warm := getattr(detokenize, "warm", None):
         calls = warm(cfg.slots, chunk_tokens, cfg.longest_codes)
     took = time.perf_counter() - t0
     if graphs or calls:
-        print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
+        print(
+            f"load: {graphs} engine graphs ({t_engine:.1f} s) and {calls} detokenizer batches ({took - t_engine:.1f} s) "
+            f"made ahead in {took:.1f} s",
+            file=sys.stderr,
+        )
     grown = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
     return {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "reserved_bytes": grown}
 
