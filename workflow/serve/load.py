@@ -331,11 +331,8 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
         calls = warm(cfg.slots, chunk_tokens, cfg.longest_codes)
     took = time.perf_counter() - t0
     if graphs or calls:
-        print(
-            f"load: {graphs} engine graphs ({t_engine:.1f} s) and {calls} detokenizer batches ({took - t_engine:.1f} s) "
-            f"made ahead in {took:.1f} s",
-            file=sys.stderr,
-        )
+        made = f"{graphs} engine graphs ({t_engine:.1f} s) and {calls} detokenizer batches ({took - t_engine:.1f} s)"
+        print(f"load: {made} made ahead in {took:.1f} s", file=sys.stderr)
     grown = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
     return {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "reserved_bytes": grown}
 
