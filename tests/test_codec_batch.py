@@ -137,6 +137,8 @@ def test_a_held_batchs_vocoding_launches_as_much_for_four_streams_as_for_one(dec
         batch = CodecBatch(decoder, voice, slots=4, max_codes=40, later_frames=120)
         pieces = [Piece(k, codes[k][:7], 0) for k in range(1, streams + 1)]  # the first chunks, then six held each
         got = batch.vocodes(batch.flows(pieces))
+        state = batch.streams[1].state()  # what `CodecLanes` marks as used on a lane the stream moves to
+        assert len(state) == 4 and all(t.numel() for t in state)  # its mel tail, source cycles, held PCM, fade
         pieces = [Piece(k, codes[k][7 + 5 * j : 12 + 5 * j], 7 + 5 * j, j == 5) for k in range(1, streams + 1) for j in range(6)]
         work = batch.flows(pieces)
         with count:

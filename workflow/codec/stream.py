@@ -274,6 +274,10 @@ class CodecStream:
         self.cycles = cycles[nxt - a - 1] if nxt > 0 else None
         return [head[:keep], pcm[n:keep]]
 
+    def state(self) -> list[Tensor]:
+        """The device tensors a stream carries between calls (for a caller moving it between CUDA streams)."""
+        return [t for t in (self.mel_tail, self.cycles, self.held, self.fade) if t is not None]
+
 
 def settle_all(calls: list[tuple[CodecStream, Tensor, Excitation, Tensor, bool]]) -> list[list[Tensor]]:
     """`CodecStream.settle` of many HiFT calls (stream, PCM, call, cycles, final), a stream's in order: the
@@ -301,7 +305,3 @@ def settle_all(calls: list[tuple[CodecStream, Tensor, Excitation, Tensor, bool]]
                 s, pcm, x, cycles, final = calls[i]
                 out[i] = s._keep(pcm, head, x, cycles, final)
     return out
-
-    def state(self) -> list[Tensor]:
-        """The device tensors a stream carries between calls (for a caller moving it between CUDA streams)."""
-        return [t for t in (self.mel_tail, self.cycles, self.held, self.fade) if t is not None]
