@@ -251,9 +251,9 @@ class Lanes:
     at the decode graphs' priority; `urgent` ones (streams' first audible pieces: time to first
     audio waits on them) on a lane of the highest priority, which the GPU serves first. The
     batch's ready time is a CUDA event read once complete and put on the host clock through an
-    anchor event (`host_time`), recorded on an idle stream (it completes at once) and renewed
-    every `anchor_s`, as the GPU's and the host's clocks drift apart (parts per million). On the
-    CPU it runs in line and the clock is read after it."""
+    anchor event (`host_time`), recorded on an idle stream and renewed every `anchor_s`, as the
+    GPU's and the host's clocks drift apart (parts per million), never waiting behind a lane's work
+    (`_anchor`). On the CPU it runs in line and the clock is read after it."""
 
     first_codes = 1  # codes a stream needs before its first PCM: pieces until then are urgent
     anchor_wait_s = 0.0005  # the longest a renewal of the anchor watches its event (inf: waits, whatever it takes)
