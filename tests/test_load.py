@@ -115,7 +115,12 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert t["level"] == 3 and 0 <= t["admitted"] <= t["chunk_ready"][0]
     assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
     made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
-    assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0 and made["seconds"] >= 0
+    assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0
+    assert 0 <= made["engine_seconds"] <= made["seconds"]  # the engine's graphs' part of it
+    cuda = {"engine_graphs": 174, "detokenizer_batches": 261, "seconds": 163.4, "engine_seconds": 61.2, "reserved_bytes": 2**31}
+    said = report._prepared(cuda)  # as a GPU's benchmark.md says it; a file from before engine_seconds without its part
+    assert "174 engine graphs (61 s) and 261 detokenizer batches in 163 s in all, holding 2.0 GiB more." in said
+    assert "engine graphs and 261" in report._prepared({k: v for k, v in cuda.items() if k != "engine_seconds"})
     memory = {"slots": 4, "kv_bytes_per_slot": 1, "max_seq_len": 64}
     rows = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith(("| closed", "| Poisson"))]
     host = [lv["host_busy"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]

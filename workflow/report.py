@@ -188,9 +188,10 @@ def _prepared(made: dict | None) -> str:
     if not made or not (made["engine_graphs"] or made["detokenizer_batches"]):
         return ""
     held = f", holding {made['reserved_bytes'] / 2**30:.1f} GiB more" if made["reserved_bytes"] else ""
+    engine = f" ({made['engine_seconds']:.0f} s)" if "engine_seconds" in made else ""
     return (
-        f" Made ahead of the levels: {made['engine_graphs']} engine graphs and {made['detokenizer_batches']} "
-        f"detokenizer batches in {made['seconds']:.0f} s{held}."
+        f" Made ahead of the levels: {made['engine_graphs']} engine graphs{engine} and {made['detokenizer_batches']} "
+        f"detokenizer batches in {made['seconds']:.0f} s in all{held}."
     )
 
 
