@@ -131,6 +131,9 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert [r.split(":")[0] for r in lines] == ["- closed, 1 users", "- closed, 3 users", "- Poisson 2/s"]
     assert all(" % began beside a later codec batch (of all 0 %)" in r and "host ms each: " in r for r in lines)
     assert not any("anchor" in r for r in lines)  # said only where a renewal was put off
+    for most, capped in ((out["streams_at_slo"], True), (out["streams_at_slo"] + 4, False)):  # a search stopped at its most
+        searched = out | {"memory": memory, "config": out["config"] | {"search_step": 4, "search_max": most}}
+        assert ("the most the search offers" in "\n".join(report.load_markdown(searched))) == capped
     put_off = [lv | {"anchor_put_off": 3} if lv["value"] == 3 else lv for lv in out["levels"]]
     lines = [r for r in report.load_markdown(out | {"levels": put_off, "memory": memory}) if r.startswith("- ")]
     assert [r.endswith("anchor put off 3 times (its event queued behind a lane's work)") for r in lines] == [False, True, False]

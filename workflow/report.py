@@ -208,6 +208,12 @@ def parts_cell(parts: dict | None) -> str:
     return " / ".join(f"{v:.0f}" for v in parts.values()) if parts else "-"
 
 
+def capped(load: dict) -> bool:
+    """Whether the answer is the search's most (`load.search_max`), so a lower bound."""
+    c = load["config"]
+    return bool(c.get("search_step")) and load["streams_at_slo"] == c.get("search_max")
+
+
 def load_markdown(load: dict) -> list[str]:
     """The load benchmark's table and its answer."""
     c, mem = load["config"], load["memory"]
@@ -216,7 +222,8 @@ def load_markdown(load: dict) -> list[str]:
         f"## Under load: streams per GPU at TTFA p99 <= {load['ttfa_slo_ms']:g} ms",
         "",
         f"**{load['streams_at_slo']} streams** held TTFA p99 <= {load['ttfa_slo_ms']:g} ms with no underrun "
-        f"(closed loop: each user hears one reply at a time and asks again when it has played). Replies "
+        + ("(the most the search offers, `load.search_max`: more may hold) " if capped(load) else "")
+        + "(closed loop: each user hears one reply at a time and asks again when it has played). Replies "
         f"{c['reply_seconds'][0]:g}-{c['reply_seconds'][1]:g} s of audio, prompts {c['prompt_len']} tokens, "
         f"{c['duration_s']:g} s of arrivals per level, {mem['slots']} engine slots of "
         f"{mem['kv_bytes_per_slot'] / 2**20:.1f} MiB each at {mem['max_seq_len']} positions"
