@@ -39,7 +39,7 @@ from torch import Tensor
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.hift import DEFAULT_SEED
 from workflow.codec.slots import PAGE, FlowSlots
-from workflow.codec.stream import CodecStream, Excitation, FlowCall, first_hop, settle_all
+from workflow.codec.stream import CodecStream, Excitation, FlowCall, first_hop, ranks, settle_all
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Piece
 from workflow.engines.base import to_device
@@ -295,11 +295,13 @@ class CodecBatch:
         (frames, F0 context, at a stream's start or not) go together, at most `pass_rows` a pass (the
         most `lanes.CodecLanes.warm` makes graphs for), each a graph on CUDA (a last call, of any
         length, eager); then every call's cross-fade (`settle_all`). Each call's final PCM, in parts."""
+        news: dict[int, list[Tensor]] = {}  # each stream's new frames here, in order
+        for s, m, _ in calls:
+            news.setdefault(id(s), [s.mel_tail]).append(m)
         xs, joined = [], {}  # per stream: its tail and every new frames here in one copy, and its first frame
         for s, m, final in calls:  # each call's frames and F0 context, its stream moved past it
             if id(s) not in joined:
-                news = [m for t, m, _ in calls if t is s]
-                joined[id(s)] = torch.cat([s.mel_tail, *news], dim=1), s.frames - s.mel_tail.shape[1]
+                joined[id(s)] = torch.cat(news[id(s)], dim=1), s.frames - s.mel_tail.shape[1]
             xs.append(s.prepare(m, *joined[id(s)]))
             s.advance(xs[-1], final)
         shapes = [(x.mel.shape[1], x.context, final) for x, (_, _, final) in zip(xs, calls, strict=True)]
@@ -332,14 +334,7 @@ class CodecBatch:
         `CodecStream.settle` keeps them, or from zero where it kept none. The cycles of every call with a
         successor come from its F0 alone, calls of one length at once; then the k-th calls of all streams
         add theirs together: a held batch's calls would otherwise launch a dozen kernels each."""
-        prev: dict[int, int] = {}  # a call's predecessor: its stream's call before it here
-        rank: list[int] = []  # calls of its stream before it here
-        last: dict[int, int] = {}
-        for n, s in enumerate(streams):
-            if id(s) in last:
-                prev[n] = last[id(s)]
-            rank.append(rank[prev[n]] + 1 if n in prev else 0)
-            last[id(s)] = n
+        rank, prev = ranks(streams)
         cut: dict[int, int] = {}  # a predecessor's frame its cycles are carried from (none where it kept none)
         for p in prev.values():
             if (nxt := max(0, xs[p].end - streams[p].mel_cache)) > 0:

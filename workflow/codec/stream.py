@@ -279,15 +279,24 @@ class CodecStream:
         return [t for t in (self.mel_tail, self.cycles, self.held, self.fade) if t is not None]
 
 
+def ranks(streams: list[CodecStream]) -> tuple[list[int], dict[int, int]]:
+    """Of calls by stream, in order: each call's rank among its stream's (0: its first here), and each
+    later call's predecessor (its stream's call before it)."""
+    rank, prev, last = [], {}, {}
+    for n, s in enumerate(streams):
+        if id(s) in last:
+            prev[n] = last[id(s)]
+        rank.append(rank[prev[n]] + 1 if n in prev else 0)
+        last[id(s)] = n
+    return rank, prev
+
+
 def settle_all(calls: list[tuple[CodecStream, Tensor, Excitation, Tensor, bool]]) -> list[list[Tensor]]:
     """`CodecStream.settle` of many HiFT calls (stream, PCM, call, cycles, final), a stream's in order: the
     PCM each made final, in parts (to be joined). The k-th calls of all streams cross-fade together, in one
     set of ops a held tail's length (a stream's next call fades against the tail this one holds back): a
     batch of a few streams' held chunks would otherwise launch six kernels a call."""
-    rank, seen = [], {}
-    for s, *_ in calls:
-        rank.append(seen.get(id(s), 0))
-        seen[id(s)] = rank[-1] + 1
+    rank, _ = ranks([s for s, *_ in calls])
     out: list[list[Tensor]] = [[] for _ in calls]
     for r in range(max(rank, default=-1) + 1):
         by_n: dict[int, list[int]] = {}

@@ -333,8 +333,8 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     if graphs or calls:
         print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
     grown = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
-    made = {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine}
-    return made | {"reserved_bytes": grown}
+    return {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
+            "reserved_bytes": grown}  # fmt: skip
 
 
 def run(
