@@ -199,6 +199,19 @@ def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
     assert out[0].numel() == batch.first_codes * SPC and not batch.streams
 
 
+def test_a_piece_that_does_not_follow_its_streams_codes_is_refused(decoder, voice):
+    """A piece says how many of its stream's codes came before it: one after a lost chunk, or one that
+    overtook another, would decode wrong audio; it is refused, naming the stream, and the codes the
+    stream has stay as they were."""
+    batch = CodecBatch(decoder, voice)
+    batch.vocodes(batch.flows([Piece(3, torch.arange(4), 0), Piece(3, torch.arange(4), 4)]))
+    for done in (12, 4):  # a chunk lost (8..12), a chunk sent again
+        with pytest.raises(ValueError, match=f"codec stream 3: a piece after {done} codes, where it has 8"):
+            batch.flows([Piece(3, torch.arange(4), done)])
+    assert batch.streams[3].codes == [0, 1, 2, 3, 0, 1, 2, 3]
+    batch.vocodes(batch.flows([Piece(3, torch.arange(4), 8)]))  # the next one goes on
+
+
 @pytest.mark.parametrize("slots", [0, 1])
 def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tiny_engine_dir, decoder, voice, slots):
     """The load benchmark with the codec decoder as serving's detokenizer (the CPU: in line): every

@@ -232,10 +232,12 @@ class Scheduler:
         return (now if start is None else start) + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
 
     def _send_where(self, goes: Callable[[Request], bool], urgent: bool) -> None:
-        """The waiting chunks whose request `goes`, in one batch; the rest keep waiting."""
-        go = [c for c in self.outbox if goes(c[0])]
-        if go:
-            self.outbox = [c for c in self.outbox if not goes(c[0])]
+        """The waiting chunks whose request `goes`, in one batch; the rest keep waiting. `goes` is asked
+        once a request: it may read the clock, and a request's chunks must go together and in order."""
+        going = {rid for rid, req in {c[0].rid: c[0] for c in self.outbox}.items() if goes(req)}
+        if going:
+            go = [c for c in self.outbox if c[0].rid in going]
+            self.outbox = [c for c in self.outbox if c[0].rid not in going]
             self._batch(go, urgent)
 
     def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
