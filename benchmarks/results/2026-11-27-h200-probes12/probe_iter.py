@@ -1,0 +1,107 @@
+"""Probe (ledger: "H200 serving iterations"): what makes serving's slow iterations (60-70 ms at p99
+under load, H200 run 10), A/B in one process on one engine. "base" is h200.yaml as it is; "prefill
+512" admits one 512-token prompt an iteration (`load.prefill_tokens`), not up to four; "first audio
+first" holds speaking streams' later chunks (but those due within the slack) while a stream awaits
+its first audio (`load.first_audio_first`, h200.yaml's 0.5 s of slack); "below" puts
+the detokenizer's later-chunk lane under the decode graphs' priority (new graphs for it, in a pool
+of their own); "anchor waits" renews the detokenizer's clock anchor waiting for its event, as before
+ba37bf4 (`Lanes.anchor_wait_s` inf). Each level records what its slowest hundredth of iterations held
+(`slow_iterations`: prompts admitted, a later codec batch running beside). A line per level as it
+ends, then every level's figures as JSON.
+
+    PROBE_ARMS="base|prefill 512|first audio first|below|anchor waits" PROBE_LEVELS=24,32,40 \
+        python benchmarks/probe_iter.py <engine dir> <out.json> [config.yaml ...]
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from workflow import cudagraphs
+from workflow.benchmark import sampling_of, speech_of
+from workflow.codec.lanes import CodecLanes
+from workflow.engines import load_engine
+from workflow.generate import Ids
+from workflow.serve import load
+
+# "below": the detokenizer's later-chunk lane (and its graphs) at the default priority, under the decode
+# graphs' (cudagraphs.CAPTURE_PRIORITY, -1) where today it shares theirs; the urgent lane stays the highest
+ARMS = {
+    "base": {},
+    "prefill 512": {"prefill_tokens": 512},
+    "first audio first": {"first_audio_first": True},
+    "below": {"below": True},
+    "anchor waits": {"anchor_wait_s": float("inf")},  # the clock anchor's renewal waited for, as before ba37bf4
+}
+ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
+LEVELS = [int(n) for n in os.environ.get("PROBE_LEVELS", "24,32,40").split(",")]
+WATCH_S = float(os.environ.get("PROBE_WATCH_S", "240"))  # an arm's first prepare takes ~180 s on an H200
+
+
+def merged(a: dict, b: dict) -> dict:
+    return {k: merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()} | {
+        k: v for k, v in a.items() if k not in b
+    }
+
+
+def line(name: str, lv: dict) -> str:
+    r = lambda d: json.dumps({k: round(v, 2) for k, v in d.items()})  # noqa: E731
+    return (
+        f"{name} | {lv['value']} users | TTFA p50/p90/p99 {lv['ttfa_ms']['p50']:.0f}/{lv['ttfa_ms']['p90']:.0f}/"
+        f"{lv['ttfa_ms']['p99']:.0f} ms | underruns {lv['underruns']} | codes/s {lv['tokens_per_s']:.0f} | "
+        f"busy {lv['busy_fraction']:.2f} | device {r(lv['device_busy'])} | host {r(lv['host_busy'])} | "
+        f"rows a step {lv['mean_active_slots']:.1f} | steps {lv['iterations']} | peak {lv['peak_streams']} | "
+        f"queued p99 {lv['queued_ms']['p99']:.0f} ms | iteration p50/p99/max {lv['iteration_ms']['p50']:.1f}/"
+        f"{lv['iteration_ms']['p99']:.1f}/{lv['iteration_ms']['max']:.0f} ms | slowest tenth queued/chunk/PCM "
+        f"{'/'.join(f'{v:.0f}' for v in lv['slowest_ttfa_parts_ms'].values())} ms | served {lv['served']} | "
+        f"anchor put off {lv['anchor_put_off']} | "
+        f"slow iterations {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in lv['slow_iterations'].items()})}"
+    )
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # stopped at its limit: where it waited
+    engine_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    cfg: dict = {}
+    for f in ["config/config.yaml", *sys.argv[3:]]:
+        cfg = merged(cfg, yaml.safe_load(Path(f).read_text()))
+    p = cfg["benchmark"]
+    p = p | {"load": p["load"] | {"closed": LEVELS, "search_step": 0}}
+    t0 = time.perf_counter()
+    engine = load_engine(engine_dir, max_batch=max(p["load"]["slots"], 4))
+    ids = Ids.of(engine.spec)
+    dtype = getattr(torch, cfg["engine"]["dtype"])
+    _, _, serving, _, _ = speech_of(p, engine.device, dtype, ids)
+    detokenize = serving()
+    print(f"engine and detokenizer made in {time.perf_counter() - t0:.0f} s", flush=True)
+    results = {}
+    for name, over in ARMS.items():
+        t0 = time.perf_counter()
+        faulthandler.dump_traceback_later(WATCH_S, repeat=True)  # an arm that stalls says where, every WATCH_S
+        over = dict(over)
+        if over.pop("below", False):  # after the other arms: its graphs' new pool stays
+            if not detokenize.lanes:
+                raise SystemExit("the 'below' arm needs CUDA: a lane's priority")
+            cudagraphs.CAPTURE_PRIORITY = 0  # the later lane's graphs captured at its own priority, 0
+            detokenize = CodecLanes(detokenize.batch, engine.device, time.perf_counter)
+            detokenize.lanes[False] = torch.cuda.Stream(engine.device, priority=0)
+        detokenize.anchor_wait_s = over.pop("anchor_wait_s", type(detokenize).anchor_wait_s)
+        lc = load.LoadConfig.from_dict(p["load"] | over)
+        r = load.run(engine, detokenize, time.perf_counter, lc, ids, p["chunk_tokens"], sampling_of(p))
+        results[name] = {"prepared": r["prepared"], "levels": r["levels"]}
+        for lv in r["levels"]:
+            print(line(name, lv), flush=True)
+        faulthandler.cancel_dump_traceback_later()
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
