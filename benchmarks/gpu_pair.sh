@@ -21,7 +21,8 @@
 # machine held 1,360 s in all; H200 run 8 (h200.yaml): 189 / 346 / 409 / 345 s, held 1,343 s; H200
 # run 9 (hold 8: 261 detokenizer batches made ahead in ~150 s): 217 / 347 / 466 s, then FP8's
 # benchmark ~390 s of work; H200 run 10: 216 / 408 / 501 / 419 s, held 1,607 s of the session's
-# 1,800. Download and convert (~100 s) are a call of their own because bf16's
+# 1,800; H200 run 12 (bf16's benchmark 466 s, FP8's 359 s; a probe beside each of calls 3 and 4):
+# 212 / 353 / 472 / 501 s, held 1,646 s. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
 # near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Each side's output is
 # in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
