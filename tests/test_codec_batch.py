@@ -295,4 +295,5 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
         own = alone(dec, voice, k, codes[k].to(dev), chunk)
         mine = torch.cat(got[k])
         assert mine.shape == own.shape == (n * SPC,) and (mine - own).abs().max() <= ATOL_PCM, k
-    assert len(lanes.batch.graphs.graphs) == graphs  # warm made every shape met
+    assert len(lanes.batch.graphs.graphs) == graphs == lanes.batch.graphs.captured  # warm made every shape met
+    assert load.graphs_of(None, lanes) == [lanes.batch.graphs]  # what the load counts mid-level

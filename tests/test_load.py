@@ -1,13 +1,16 @@
 """The load benchmark (serve/load.py): playback and underruns, the levels, the search for streams at
 the SLO; on the CPU, the tiny engine."""
 
+import time
+
 import pytest
 import torch
 
 from workflow import report, traffic
+from workflow.cudagraphs import Graphs
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
-from workflow.serve import load
+from workflow.serve import figures, load
 from workflow.serve.request import Request, ServeConfig
 from workflow.serve.scheduler import Iteration, Scheduler
 from workflow.spec import PRESETS
@@ -16,9 +19,9 @@ from workflow.spec import PRESETS
 def test_underruns_count_chunks_ready_after_playback_ran_out():
     req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1)
     req.chunk_ready, req.chunk_samples = [1.0, 1.3, 1.9, 2.0], [40, 40, 40, 40]  # 100 a second: due at 1.0, 1.4, 1.8, 2.2
-    n, stalled = load.underruns(req, 100.0)
+    n, stalled = figures.underruns(req, 100.0)
     assert n == 1 and stalled == pytest.approx(0.1)
-    assert load.playback_end(req, 100.0) == pytest.approx(1.0 + 1.6 + 0.1)
+    assert figures.playback_end(req, 100.0) == pytest.approx(1.0 + 1.6 + 0.1)
 
 
 def test_playback_starts_at_the_first_chunk_with_pcm_and_paces_by_samples():
@@ -28,8 +31,8 @@ def test_playback_starts_at_the_first_chunk_with_pcm_and_paces_by_samples():
     req = Request(0, torch.zeros(1, 2, dtype=torch.long), max_steps=1, t_arrival=0.5, t_admit=0.6)
     req.chunk_ready, req.chunk_samples = [0.9, 1.0, 1.3, 1.7], [0, 24, 40, 40]  # due -, 1.0, 1.24, 1.64
     assert req.ttfa_s == pytest.approx(0.5)
-    assert load.underruns(req, 100.0) == (2, pytest.approx(0.06 + 0.06))
-    assert load.timeline(req, 100.0)["chunk_due"] == pytest.approx([0.5, 0.74, 1.14])
+    assert figures.underruns(req, 100.0) == (2, pytest.approx(0.06 + 0.06))
+    assert figures.timeline(req, 100.0)["chunk_due"] == pytest.approx([0.5, 0.74, 1.14])
     req.chunk_sent = [0.8, 0.92, 1.2, 1.6]  # its first audible chunk sent at 0.92, its PCM ready at 1.0
     assert req.ttfa_parts() == pytest.approx((0.1, 0.32, 0.08)) and sum(req.ttfa_parts()) == pytest.approx(req.ttfa_s)
     req.chunk_ready = req.chunk_ready[:1]  # the first audible chunk's PCM not yet known
@@ -38,8 +41,8 @@ def test_playback_starts_at_the_first_chunk_with_pcm_and_paces_by_samples():
 
 def test_the_slowest_tenths_parts_are_the_means_of_its_requests():
     parts = sorted([(0.0, 0.1, 0.02)] * 18 + [(0.05, 0.2, 0.1), (0.01, 0.3, 0.05)], key=sum)  # 20: the slowest two
-    assert load.slowest_parts(parts) == pytest.approx({"queued": 30.0, "first_chunk": 250.0, "first_pcm": 75.0})
-    assert load.slowest_parts(parts[:3]) == pytest.approx({"queued": 0.0, "first_chunk": 100.0, "first_pcm": 20.0})
+    assert figures.slowest_parts(parts) == pytest.approx({"queued": 30.0, "first_chunk": 250.0, "first_pcm": 75.0})
+    assert figures.slowest_parts(parts[:3]) == pytest.approx({"queued": 0.0, "first_chunk": 100.0, "first_pcm": 20.0})
 
 
 def test_slow_iterations_say_what_the_slowest_held_against_all():
@@ -48,12 +51,12 @@ def test_slow_iterations_say_what_the_slowest_held_against_all():
     the codec, made them slow. Host ms by phase are their means."""
     fast = [(1.0 + i / 1e3, Iteration(0, i % 2), {"sample": 0.5, "decode": 0.1}) for i in range(198)]
     slow = [(50.0, Iteration(4, 0), {"sample": 48.0, "prefill": 1.0}), (60.0, Iteration(2, 0), {"sample": 58.0, "prefill": 1.0})]
-    got = load.slow_iterations(fast + slow)
-    assert got["threshold_ms"] == 50.0 and got["n"] == 2 and load.slow_iterations(fast[:99] + slow)["n"] == 1
+    got = figures.slow_iterations(fast + slow)
+    assert got["threshold_ms"] == 50.0 and got["n"] == 2 and figures.slow_iterations(fast[:99] + slow)["n"] == 1
     assert got["mean_ms"] == 55.0 and got["with_prompts"] == 1.0 and got["prompts"] == 3.0 and got["beside_later"] == 0.0
     assert got["all_with_prompts"] == 0.01 and got["all_beside_later"] == 0.495
     assert got["host_ms"] == {"prefill": 1.0, "sample": 53.0}  # only the phases the slow ones ran
-    assert load.slow_iterations([]) == {}
+    assert figures.slow_iterations([]) == {}
 
 
 def test_the_scheduler_says_what_each_iteration_held(tiny_engine_dir):
@@ -82,6 +85,32 @@ def test_the_scheduler_says_what_each_iteration_held(tiny_engine_dir):
     assert all(h.later <= r for h, r in zip(held[1:], running, strict=False))  # counted after the ready ones are stamped
 
 
+def test_a_graph_captured_mid_level_is_counted_and_found_in_the_slow_iterations(tiny_engine_dir, monkeypatch):
+    """A CUDA graph made while a level runs holds every stream (`load.prepare` makes them ahead): the
+    level counts those its engine's and detokenizer's `Graphs` captured, with their seconds, and its
+    slowest iterations say which of them captured one. Here the engine's 5th step "captures" one
+    for 1 s, the level's slowest iteration by far."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    engine.graphs = Graphs(torch.device("cpu"))  # the counters the load reads; the CPU engine has none of its own
+    step, steps = engine.step, [0]
+
+    def capturing(*args, **kw):
+        steps[0] += 1
+        if steps[0] == 5:
+            time.sleep(1.0)  # longer than any plain iteration here, however busy the CPU
+            engine.graphs.captured, engine.graphs.capture_s = 1, 1.0
+        return step(*args, **kw)
+
+    monkeypatch.setattr(engine, "step", capturing)
+    cfg = load.LoadConfig(closed=(2,), duration_s=1.5, reply_seconds=(0.8, 1.2), prompt_len=24, slots=4)
+    (lv,) = load.run(engine, None, time.perf_counter, cfg, ids, 5, Sampling())["levels"]
+    assert lv["graphs_captured"] == {"n": 1, "seconds": 1.0} and lv["alloc_retries"] == 0
+    slow = lv["slow_iterations"]  # the slowest hundredth (at least one): the capturing one among them
+    assert slow["captured"] * slow["n"] == 1 and slow["mean_ms"] * slow["n"] >= 1000
+    assert load.graphs_of(engine, None) == [engine.graphs] and load.graphs_of(load_engine(tiny_engine_dir), None) == []
+
+
 def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     """Two closed-loop levels and one Poisson level on the tiny engine: every request served,
     its first audio timed from its arrival, and the answer the largest level within the SLO."""
@@ -108,6 +137,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         assert s["n"] == max(1, it["n"] // 100) and s["threshold_ms"] <= s["mean_ms"] <= it["max"]
         assert 0 < s["all_with_prompts"] < 1 and s["all_beside_later"] == s["beside_later"] == 0  # no detokenizer
         assert lv["anchor_put_off"] == 0  # no detokenizer, no clock anchor
+        assert lv["graphs_captured"] == {"n": 0, "seconds": 0.0} and lv["alloc_retries"] == s["captured"] == 0  # the CPU
     assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
@@ -137,6 +167,12 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     put_off = [lv | {"anchor_put_off": 3} if lv["value"] == 3 else lv for lv in out["levels"]]
     lines = [r for r in report.load_markdown(out | {"levels": put_off, "memory": memory}) if r.startswith("- ")]
     assert [r.endswith("anchor put off 3 times (its event queued behind a lane's work)") for r in lines] == [False, True, False]
+    made = {"graphs_captured": {"n": 2, "seconds": 0.31}, "alloc_retries": 4}  # the Poisson level's, its slow half capturing
+    held = [lv | made | {"slow_iterations": lv["slow_iterations"] | {"captured": 0.5}} if lv["kind"] == "open" else lv
+            for lv in out["levels"]]  # fmt: skip
+    lines = [r for r in report.load_markdown(out | {"levels": held, "memory": memory}) if r.startswith("- ")]
+    said = "; 2 CUDA graphs captured mid-level (0.31 s), in 50 % of these; the allocator's retries: 4 (each a wait for the whole"
+    assert [r.endswith(said + " device)") for r in lines] == [False, False, True]
 
 
 def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):
@@ -197,7 +233,7 @@ def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
         assert now[0] < 60, f"stalled: {len(sched.streams)} speaking, {len(sched.outbox)} chunks unsent"
     sched.flush()
     assert sorted(r.rid for r in sched.done) == list(range(16))
-    assert all(r.error is None and r.stamped and load.underruns(r, rate)[0] == 0 for r in reqs)
+    assert all(r.error is None and r.stamped and figures.underruns(r, rate)[0] == 0 for r in reqs)
     assert now[0] < 3 + (20 - 1) / 2 + 1  # the last arrival, then its reply at pace 2 past a 1 s lead
 
 

@@ -8,7 +8,7 @@ from workflow import traffic, vocoder
 from workflow.detokenize import Batched, Piece
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
-from workflow.serve import load
+from workflow.serve import figures
 from workflow.serve.request import Request, ServeConfig
 from workflow.serve.scheduler import Scheduler
 
@@ -176,7 +176,7 @@ def test_a_held_chunk_goes_sooner_when_its_playback_is_near(tiny_engine_dir, sla
         now[0] += 0.05
     sched.flush()
     assert req.error is None and req.stamped and sent[0] == ([0], True)
-    late, _ = load.underruns(req, 12.5)
+    late, _ = figures.underruns(req, 12.5)
     if slack:
         assert late == 0 and len(sent) > 3 and all(len(d) < 5 for d, _ in sent[1:-1])
     else:
@@ -252,7 +252,7 @@ def test_later_chunks_wait_while_a_stream_awaits_its_first_audio(tiny_engine_dir
     if first:  # then they go together, at the first iteration that sees it ready
         after = next(chunks for t, chunks, urgent in sent if not urgent and t >= first_pcm)
         assert len([k for k, _ in after if k == 1]) > 1
-    assert all(load.underruns(r, 12.5)[0] == 0 for r in reqs)
+    assert all(figures.underruns(r, 12.5)[0] == 0 for r in reqs)
     with pytest.raises(ValueError, match="needs detokenize_slack_s"):
         Scheduler(engine, ids, ServeConfig(first_audio_first=True))
 
@@ -300,7 +300,7 @@ def test_a_paced_stream_is_made_at_pace_times_real_time_past_a_lead(tiny_engine_
     (req,), made, waited = paced(engine, pace)
     (alone,), _, _ = paced(load_engine(tiny_engine_dir), 0)
     start = req.playback_start
-    assert req.error is None and req.stamped and req.codes == alone.codes and load.underruns(req, 12.5)[0] == 0
+    assert req.error is None and req.stamped and req.codes == alone.codes and figures.underruns(req, 12.5)[0] == 0
     assert waited == bool(pace)
     last = next(t for t, n in made if n == 60)  # when its last code was sampled
     if pace:
@@ -316,7 +316,7 @@ def test_a_stream_awaiting_its_first_audio_is_decoded_at_once_beside_paced_ones(
     meanwhile."""
     reqs, made, _ = paced(load_engine(tiny_engine_dir), 2, second_at=1.0)
     (alone,), _, _ = paced(load_engine(tiny_engine_dir), 0)
-    assert all(r.error is None and r.stamped and load.underruns(r, 12.5)[0] == 0 for r in reqs)
+    assert all(r.error is None and r.stamped and figures.underruns(r, 12.5)[0] == 0 for r in reqs)
     assert reqs[1].ttfa_s == pytest.approx(alone.ttfa_s, abs=0.015)
     racing = [n for t, n in made if reqs[1].t_arrival <= t < reqs[1].playback_start]
     assert len(racing) >= 2 and racing == list(range(racing[0], racing[0] + len(racing)))  # a code each 10 ms

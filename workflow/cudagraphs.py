@@ -20,6 +20,7 @@ each priority has its own pool.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
@@ -36,6 +37,7 @@ class Graphs:
         self.warm_up: torch.cuda.Stream | None = None
         self.capture: dict[int, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority -> stream, pool
         self.inputs: dict[Hashable, list[torch.Tensor]] = {}  # call's static input buffers, by key
+        self.captured, self.capture_s = 0, 0.0  # graphs captured so far, and the host's seconds in it
 
     def call(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor) -> T:
         """fn(*args) replayed from the graph for `key`: args are copied into static buffers kept
@@ -60,6 +62,7 @@ class Graphs:
         times on a new key (warm-up, capture, replay): whatever it writes must be the same each
         time (the engine's cache writes at the step's positions are)."""
         if key not in self.graphs:
+            t0 = time.perf_counter()
             current = torch.cuda.current_stream(self.device)
             side = self.warm_up = self.warm_up or torch.cuda.Stream(self.device)
             side.wait_stream(current)
@@ -75,6 +78,7 @@ class Graphs:
                 out = fn()
             self.capture[priority] = (stream, graph.pool())
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
+            self.captured, self.capture_s = self.captured + 1, self.capture_s + time.perf_counter() - t0
         graph, out, _ = self.graphs[key]
         graph.replay()
         return out  # type: ignore[return-value]

@@ -262,7 +262,7 @@ def load_markdown(load: dict) -> list[str]:
     slow = [(lv, s) for lv in levels if (s := lv.get("slow_iterations"))]
     if slow:
         lines += ["", "Each level's slowest hundredth of decoding iterations, and what they held against all its iterations:", ""]
-        lines += [f"- {level_name(lv)}: {slow_line(s, lv['iterations'])}{anchor_note(lv)}" for lv, s in slow]
+        lines += [f"- {level_name(lv)}: {slow_line(s, lv['iterations'])}{held_note(lv)}" for lv, s in slow]
     return lines
 
 
@@ -272,7 +272,7 @@ def level_name(lv: dict) -> str:
 
 
 def slow_line(s: dict, iterations: int) -> str:
-    """A level's slow iterations (load.slow_iterations) in words."""
+    """A level's slow iterations (serve.figures.slow_iterations) in words."""
     host = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["host_ms"].items(), key=lambda kv: -kv[1]))
     return (
         f"{s['n']} of {iterations}, {s['threshold_ms']:.0f} ms and more (mean {s['mean_ms']:.0f}): "
@@ -283,10 +283,19 @@ def slow_line(s: dict, iterations: int) -> str:
     )
 
 
-def anchor_note(lv: dict) -> str:
-    """How often the detokenizer's clock anchor found its idle stream behind a lane's work (detokenize.Lanes)."""
-    n = lv.get("anchor_put_off", 0)
-    return f"; the detokenizer's clock anchor put off {n} times (its event queued behind a lane's work)" if n else ""
+def held_note(lv: dict) -> str:
+    """What held the level beyond its work, where anything did: the detokenizer's clock anchor put off
+    (its idle stream behind a lane's work, detokenize.Lanes), CUDA graphs captured mid-level, the
+    allocator's retries (each a wait for the whole device)."""
+    notes = []
+    if n := lv.get("anchor_put_off", 0):
+        notes.append(f"the detokenizer's clock anchor put off {n} times (its event queued behind a lane's work)")
+    if (made := lv.get("graphs_captured", {})).get("n"):
+        share = lv.get("slow_iterations", {}).get("captured", 0)
+        notes.append(f"{made['n']} CUDA graphs captured mid-level ({made['seconds']:.2f} s), in {100 * share:.0f} % of these")
+    if retries := lv.get("alloc_retries", 0):
+        notes.append(f"the allocator's retries: {retries} (each a wait for the whole device)")
+    return "".join(f"; {note}" for note in notes)
 
 
 def plots(b: dict, out: Path) -> None:

@@ -31,21 +31,21 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from workflow import traffic
+from workflow.cudagraphs import Graphs
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
+from workflow.serve.figures import TTFA_PARTS, Record, playback_end, slow_iterations, slowest_parts, timeline, underruns
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
-from workflow.serve.scheduler import Iteration, Scheduler
+from workflow.serve.scheduler import Scheduler
 from workflow.vocoder import SECONDS_PER_TOKEN
 
-TTFA_PARTS = ("queued", "first_chunk", "first_pcm")  # Request.ttfa_parts: admitted, first audible chunk sent, its PCM ready
 PACE_POLL_S = 0.002  # with pace: the loop's sleep at most, while no stream needs decoding
-Record = tuple[float, Iteration, dict[str, float]]  # a decoding iteration: wall ms, what it held, host ms by phase
 
 
 @dataclass(frozen=True)
@@ -111,69 +111,6 @@ def next_search_level(held: dict[int, bool], step: int, most: int) -> int | None
     return lo + max(1, (hi - lo) // 2 // step * step)
 
 
-def audible(req: Request, sample_rate: float) -> list[tuple[float, float]]:
-    """(ready, due) of each chunk with PCM, in order: playback starts at the first, and a chunk is
-    due when the PCM of those before it has played, `sample_rate` samples a second."""
-    chunks = [(t, n) for t, n in zip(req.chunk_ready, req.chunk_samples, strict=False) if n]
-    if not chunks:
-        return []
-    t0, before = chunks[0][0], 0
-    out = []
-    for t, n in chunks:
-        out.append((t, t0 + before / sample_rate))
-        before += n
-    return out
-
-
-def underruns(req: Request, sample_rate: float) -> tuple[int, float]:
-    """(chunks ready after they were due, seconds stalled) of one stream."""
-    late = [t - due for t, due in audible(req, sample_rate) if t > due]
-    return len(late), sum(late)
-
-
-def slowest_parts(parts: list[tuple[float, float, float]]) -> dict[str, float]:
-    """The mean of each part of time to first audio (ms) over the slowest tenth of the requests (at
-    least one; `parts` sorted by their sum, slowest last): what the level's p90-p99 is made of."""
-    tail = parts[-max(1, len(parts) // 10) :] if parts else []
-    return {k: 1e3 * sum(p[i] for p in tail) / len(tail) if tail else float("nan") for i, k in enumerate(TTFA_PARTS)}
-
-
-def slow_iterations(iters: list[Record]) -> dict:
-    """What a level's slowest decoding iterations (the slowest hundredth, at least one) held against all
-    of them: the share that admitted prompts (a prefill) and that began beside a running later-chunk
-    batch of the detokenizer, and their mean host ms by phase (sampling's holds the wait for the
-    device). Where a slow iteration's time goes: the step's device time shared with a held codec
-    call, or prompts'."""
-    if not iters:
-        return {}
-    slow = sorted(iters, key=lambda r: r[0])[-max(1, len(iters) // 100) :]
-
-    def share(rows: list, held: Callable[[Iteration], int]) -> float:
-        return sum(held(it) > 0 for _, it, _ in rows) / len(rows)
-
-    return {
-        "threshold_ms": slow[0][0],  # the fastest of them
-        "n": len(slow),
-        "mean_ms": sum(ms for ms, _, _ in slow) / len(slow),
-        "with_prompts": share(slow, lambda it: it.prompts),
-        "prompts": sum(it.prompts for _, it, _ in slow) / len(slow),
-        "beside_later": share(slow, lambda it: it.later),
-        "all_with_prompts": share(iters, lambda it: it.prompts),
-        "all_beside_later": share(iters, lambda it: it.later),
-        "host_ms": {k: sum(h.get(k, 0.0) for _, _, h in slow) / len(slow) for k in sorted({k for _, _, h in slow for k in h})},
-    }
-
-
-def playback_end(req: Request, sample_rate: float) -> float:
-    """When the stream's last sample has played (stalls included); its last chunk's readiness
-    if it made no PCM."""
-    chunks = audible(req, sample_rate)
-    if not chunks:
-        return req.chunk_ready[-1]
-    _, stalled = underruns(req, sample_rate)
-    return chunks[0][0] + sum(req.chunk_samples) / sample_rate + stalled
-
-
 class Level:
     """One offered load, run in real time against the scheduler."""
 
@@ -209,6 +146,19 @@ def level_seed(seed: int, kind: str, value: float) -> int:
     return seed + round(1000 * value) + (1 << 24 if kind == "open" else 0)
 
 
+def graphs_of(engine: Engine, detokenize: Detokenize | None) -> list[Graphs]:
+    """The CUDA graphs a level replays: the engine's and its detokenizer's (the codec decoder's batch, or
+    the stand-in's vocoder). One captured mid-level holds every stream while it is made."""
+    owners = [engine, getattr(detokenize, "batch", None), getattr(detokenize, "vocoder", None)]
+    return [g for o in owners if isinstance(g := getattr(o, "graphs", None), Graphs)]
+
+
+def alloc_retries(device: torch.device) -> int:
+    """The caching allocator's retries so far (CUDA; 0 elsewhere): each freed its cached blocks after a
+    failed cudaMalloc, which waits for the whole device."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 def run_level(
     engine: Engine,
     detokenize: Detokenize | None,
@@ -222,6 +172,8 @@ def run_level(
     serve = cfg.serve_config(chunk_tokens, sampling)
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate, put_off = pcm_rate(detokenize), getattr(detokenize, "renewals_put_off", 0)
+    graphs, retries = graphs_of(engine, detokenize), alloc_retries(engine.device)
+    made0 = made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
@@ -248,12 +200,14 @@ def run_level(
             continue
         if (wait := sched.wait_s()) > 0:  # every stream ahead of its pace: chunks and stamps still looked at
             time.sleep(min(wait, PACE_POLL_S))
-        t_iter, host = clock(), dict(sched.phases.host)
+        t_iter, host, before = clock(), dict(sched.phases.host), made[0]
         decoded = sched.iterate()
         took = clock() - t_iter
         busy += took
+        made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
         if decoded:  # an arrival waits up to one to be admitted
-            iters.append((1e3 * took, sched.last, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
+            held = replace(sched.last, captured=made[0] - before)
+            iters.append((1e3 * took, held, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
         active_sum += len(sched.streams) if decoded else 0
         peak = max(peak, sched.streams_open())
         if progress and clock() - last_print > 2.0:
@@ -265,6 +219,7 @@ def run_level(
             )
     sched.flush()
     wall = clock() - t0
+    made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
     done = sched.done
     served = [r for r in done if r.error is None]
     ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
@@ -297,20 +252,11 @@ def run_level(
         "iteration_ms": percentiles(step_ms) | {"max": max(step_ms, default=0.0)},
         "slow_iterations": slow_iterations(iters),
         "anchor_put_off": getattr(detokenize, "renewals_put_off", 0) - put_off,  # its event behind a lane's work
+        "graphs_captured": {"n": made[0] - made0[0], "seconds": made[1] - made0[1]},  # mid-level: every stream held
+        "alloc_retries": alloc_retries(engine.device) - retries,  # each a device-wide wait (CUDA)
         "iterations": len(iters),
         "wall_s": wall,
     }, done
-
-
-def timeline(req: Request, sample_rate: float) -> dict:
-    """One stream under load: when it arrived, was admitted, and each chunk with PCM ready against due (s)."""
-    t0, chunks = req.t_arrival, audible(req, sample_rate)
-    return {
-        "arrival": 0.0,
-        "admitted": req.t_admit - t0,
-        "chunk_ready": [t - t0 for t, _ in chunks],
-        "chunk_due": [due - t0 for _, due in chunks],
-    }
 
 
 def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chunk_tokens: int) -> dict:

@@ -72,11 +72,13 @@ from workflow.vocoder import SECONDS_PER_TOKEN
 
 @dataclass(frozen=True)
 class Iteration:
-    """What one iteration held beside its work: the prompts it admitted (prefilled) and the detokenizer's
-    later-chunk batches still running as it began (on CUDA beside its decode step)."""
+    """What one iteration held beside its work: the prompts it admitted (prefilled), the detokenizer's
+    later-chunk batches still running as it began (on CUDA beside its decode step), and the CUDA graphs
+    captured in it (the load's loop counts them: a capture holds every stream)."""
 
     prompts: int = 0
     later: int = 0
+    captured: int = 0
 
 
 class Scheduler:
