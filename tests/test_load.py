@@ -1,6 +1,8 @@
 """The load benchmark (serve/load.py): playback and underruns, the levels, the search for streams at
 the SLO; on the CPU, the tiny engine."""
 
+import itertools
+import signal
 import time
 
 import pytest
@@ -11,7 +13,7 @@ from workflow.cudagraphs import Graphs
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
 from workflow.serve import figures, load
-from workflow.serve.request import Request, ServeConfig
+from workflow.serve.request import Request, ServeConfig, pcm_rate
 from workflow.serve.scheduler import Iteration, Scheduler
 from workflow.spec import PRESETS
 
@@ -109,6 +111,51 @@ def test_a_graph_captured_mid_level_is_counted_and_found_in_the_slow_iterations(
     slow = lv["slow_iterations"]  # the slowest hundredth (at least one): the capturing one among them
     assert slow["captured"] * slow["n"] == 1 and slow["mean_ms"] * slow["n"] >= 1000
     assert load.graphs_of(engine, None) == [engine.graphs] and load.graphs_of(load_engine(tiny_engine_dir), None) == []
+
+
+@pytest.mark.parametrize("kind", ["closed", "open"])
+def test_a_lost_chunk_stops_the_level_with_its_request_named(tiny_engine_dir, monkeypatch, kind):
+    """A chunk made but never sent (as the slack's twice-read clock once lost one) leaves its request
+    unstamped: a closed level waited for it forever, an open one counted its reply short. After the
+    flush nothing is left to send or wait for, so the level stops at once, naming the request."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    real, lost = Scheduler._batch, []
+
+    def losing(sched, chunks, urgent):
+        if not lost and len(chunks[0][0].chunk_codes) >= 3:  # a stream's third chunk goes nowhere
+            lost.append(chunks.pop(0)[0].rid)
+        if chunks:
+            real(sched, chunks, urgent)
+
+    monkeypatch.setattr(Scheduler, "_batch", losing)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the level waited for the lost chunk"))
+    signal.alarm(120)
+    cfg = load.LoadConfig(closed=(2,) if kind == "closed" else (), rates=(2.0,) if kind == "open" else (), duration_s=1.0,
+                          reply_seconds=(0.8, 1.2), prompt_len=24, slots=4)  # fmt: skip
+    said = rf"load {kind} 2: request \d+ made \d+ chunks, \d+ known ready, .* a chunk was lost"
+    try:
+        with pytest.raises(RuntimeError, match=said):
+            load.run(engine, None, time.perf_counter, cfg, ids, 5, Sampling())
+    finally:
+        signal.alarm(0)
+    assert lost
+
+
+def test_one_users_closed_level_asks_again_each_time_a_reply_has_played(tiny_engine_dir):
+    """A closed level of one user: each request after the first arrives when the reply before it has
+    played, until the level's arrivals end. (The loop once ended as soon as the only reply was made:
+    the user, done but not yet listening, was counted nowhere.)"""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    cfg = load.LoadConfig(closed=(1,), duration_s=2.0, reply_seconds=(0.4, 0.6), prompt_len=24, slots=4)
+    level = load.Level(cfg, "closed", 1, ids, torch.Generator().manual_seed(cfg.seed))
+    lv, done = load.run_level(engine, None, time.perf_counter, level, 5, Sampling(), progress=False)
+    assert lv["requests"] == len(done) >= 3 and lv["peak_streams"] == 1
+    rate = pcm_rate(None)
+    for before, req in itertools.pairwise(done):
+        assert figures.playback_end(before, rate) <= req.t_arrival <= figures.playback_end(before, rate) + 0.1
+    assert done[-1].t_arrival < done[0].t_arrival + cfg.duration_s
 
 
 def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):

@@ -159,6 +159,17 @@ def alloc_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
+def all_stamped(reqs: list[Request], level: Level) -> None:
+    """After a flush every chunk made has its ready time: one without was lost on its way to the
+    detokenizer (its stream's audio skips it) and a closed level would wait for it forever."""
+    for r in reqs:
+        if not r.stamped:
+            raise RuntimeError(
+                f"load {level.kind} {level.value:g}: request {r.rid} made {len(r.chunk_codes)} chunks, {len(r.chunk_ready)} "
+                "known ready, and nothing is left to send or wait for: a chunk was lost"
+            )
+
+
 def run_level(
     engine: Engine,
     detokenize: Detokenize | None,
@@ -180,7 +191,7 @@ def run_level(
     busy, active_sum, seen, peak, last_print = 0.0, 0, 0, 0, t0
     iters: list[Record] = []  # each decoding iteration's
     listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
-    while pending or listening or not sched.idle():
+    while pending or listening or not sched.idle() or (level.kind == "closed" and seen < len(sched.done)):
         now = clock()
         while pending and pending[0] <= now:
             sched.submit(level.new_request(pending.pop(0)))
@@ -189,6 +200,7 @@ def run_level(
             seen = len(sched.done)
             if sched.idle():  # nothing to launch: wait for the detokenizer, to stamp the last replies
                 sched.flush()
+                all_stamped(listening, level)
             for req in [r for r in listening if r.stamped]:
                 listening.remove(req)
                 t_next = playback_end(req, rate) if req.chunk_ready else clock()
@@ -218,6 +230,7 @@ def run_level(
                 file=sys.stderr,
             )
     sched.flush()
+    all_stamped(sched.done, level)
     wall = clock() - t0
     made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
     done = sched.done
