@@ -153,6 +153,11 @@ def graphs_of(engine: Engine, detokenize: Detokenize | None) -> list[Graphs]:
     return [g for o in owners if isinstance(g := getattr(o, "graphs", None), Graphs)]
 
 
+def captured(graphs: list[Graphs]) -> tuple[int, float]:
+    """The graphs captured so far, and the host's seconds in them."""
+    return sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
+
+
 def alloc_retries(device: torch.device) -> int:
     """The caching allocator's retries so far (CUDA; 0 elsewhere): each freed its cached blocks after a
     failed cudaMalloc, which waits for the whole device."""
@@ -184,7 +189,7 @@ def run_level(
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate, put_off = pcm_rate(detokenize), getattr(detokenize, "renewals_put_off", 0)
     graphs, retries = graphs_of(engine, detokenize), alloc_retries(engine.device)
-    made0 = made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
+    made0 = made = captured(graphs)
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
     end = t0 + cfg.duration_s
@@ -216,7 +221,7 @@ def run_level(
         decoded = sched.iterate()
         took = clock() - t_iter
         busy += took
-        made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
+        made = captured(graphs)
         if decoded:  # an arrival waits up to one to be admitted
             held = replace(sched.last, captured=made[0] - before)
             iters.append((1e3 * took, held, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
@@ -232,7 +237,7 @@ def run_level(
     sched.flush()
     all_stamped(sched.done, level)
     wall = clock() - t0
-    made = sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
+    made = captured(graphs)
     done = sched.done
     served = [r for r in done if r.error is None]
     ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
