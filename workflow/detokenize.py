@@ -295,10 +295,11 @@ class Lanes:
 
     def _anchor(self) -> tuple[torch.cuda.Event, float]:
         """The anchor, renewed once `anchor_s` old: an event recorded on the idle stream and put on the
-        host clock when seen complete. The idle stream may share one of the GPU's hardware queues
-        with a lane (there are more streams than CUDA_DEVICE_MAX_CONNECTIONS), and then its event
-        completes only after the lane's work queued before it, a held codec batch's tens of ms, which a
-        wait would add to the loop's iteration. So a renewal watches its event for at most
+        host clock when seen complete. Were the idle stream to share one of the GPU's hardware queues
+        with a lane (there are more streams than CUDA_DEVICE_MAX_CONNECTIONS), its event would complete
+        only after the lane's work queued before it, a held codec batch's tens of ms, and a wait would
+        add that to the loop's iteration (H200 run 12 put off no renewal: `anchor_put_off`). So a
+        renewal watches its event for at most
         `anchor_wait_s` (`seen_complete`); past that the old anchor serves on (the clocks drift apart by
         parts per million) and a new one is tried `anchor_s / 8` later. Only the first one waits."""
         now = self.clock()

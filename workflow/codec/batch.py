@@ -146,8 +146,11 @@ class CodecBatch:
         """Stage one: add each piece's codes to its stream and run every flow call now due. A stream may
         have several pieces in a batch (chunks that waited): its calls keep their order, and with a slot
         its consecutive calls run as one (`_jobs`)."""
-        due = [(self.stream(p.stream), p) for p in pieces]
-        calls = [self._continued(s, p).calls(p.codes, p.last) for s, p in due]
+        due, calls = [(self.stream(p.stream), p) for p in pieces], []
+        for s, p in due:  # a piece must follow its stream's codes: one lost or out of order would give wrong audio
+            if p.done != len(s.codes):
+                raise ValueError(f"codec stream {p.stream}: a piece after {p.done} codes, where it has {len(s.codes)}")
+            calls.append(s.calls(p.codes, p.last))
         for p, cs in zip(pieces, calls, strict=True):
             if cs and p.stream in self.slot_of and not self._grows(p.stream, cs[-1]):
                 self._unslot(p.stream)  # from here on it re-runs every frame
@@ -181,14 +184,6 @@ class CodecBatch:
         """A stream gives its slot back and goes on without one."""
         self.flow_slots().release(self.slot_of.pop(key))
         del self.solved[key]
-
-    @staticmethod
-    def _continued(s: CodecStream, p: Piece) -> CodecStream:
-        """The piece's stream, where the piece follows the codes it has: a chunk lost or out of order
-        would give wrong audio, not an error."""
-        if p.done != len(s.codes):
-            raise ValueError(f"codec stream {p.stream}: a piece after {p.done} codes, where it has {len(s.codes)}")
-        return s
 
     def _jobs(self, pieces: list[Piece], calls: list[list[FlowCall]]) -> dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]]:
         """Each stream's flow calls in order, as `mel` runs them, with the frames each call keeps and its
