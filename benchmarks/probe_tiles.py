@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each closure is timed at once, inside its loop)
 """Probe (ledger: "H200 codec tiles"): the flow slots' Triton kernels' blockings at the rows serving runs.
 
 H200 run 12's held step (8 streams x 160 frames, 2,560 rows with guidance) took 5.16 ms, ~8 x its
@@ -18,7 +19,6 @@ blockings tuned on an H100 at up to 3,840 rows (levers.md, "H200 codec step"). H
 """
 
 import itertools
-from dataclasses import astuple
 import json
 import math
 import multiprocessing as mp
@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ NORMED = ("qkv", "ff1")
 
 def grid(norm: bool) -> list[Tile]:
     if norm:  # the whole row of K in one block
-        return [Tile(bm, bn, 256, w, s) for bm, bn, w, s in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (4, 8), (1,))]
+        return [
+            Tile(bm, bn, 256, w, s) for bm, bn, w, s in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (4, 8), (1,))
+        ]
     return [Tile(bm, bn, bk, w, s) for bm, bn, bk, w, s in
             itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (64, 128), (4, 8), (2, 3, 4))]  # fmt: skip
 
@@ -88,7 +91,8 @@ class Recorder:
             role = role_of(weight, kw.get("gelu", False), kw.get("pool"))
             if role not in self.got:
                 self.got[role] = {"x": x.clone(), "weight": weight, "bias": bias} | {
-                    k: (v.clone() if isinstance(v, torch.Tensor) and k != "pool" else v) for k, v in kw.items()}
+                    k: (v.clone() if isinstance(v, torch.Tensor) and k != "pool" else v) for k, v in kw.items()
+                }
             return self.linear(x, weight, bias, **kw)
 
         def attention(q, pool, keys, starts, valid, chunk, **kw):
@@ -159,7 +163,9 @@ def compile_some(jobs: list[tuple[dict, bool, Tile]]) -> int:
 
 def sweep(cases: dict, out: dict, workers: int, t0: float, out_path: Path) -> None:
     recs = cases["later, 8 streams, 8 held"]
-    jobs = [(spec(recs[r]), norm, tile) for r in ROLES for norm in ((True, False) if r in NORMED else (False,)) for tile in grid(norm)]
+    jobs = [
+        (spec(recs[r]), norm, tile) for r in ROLES for norm in ((True, False) if r in NORMED else (False,)) for tile in grid(norm)
+    ]
     with ProcessPoolExecutor(workers, mp.get_context("spawn")) as pool:
         compiled = sum(pool.map(compile_some, [jobs[i::workers] for i in range(workers)]))
     print(f"compiled {compiled} of {len(jobs)} blockings, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -169,7 +175,10 @@ def sweep(cases: dict, out: dict, workers: int, t0: float, out_path: Path) -> No
         for m in MS:
             case = lin.setdefault(r, {}).setdefault(str(m), {})
             args, kw = linear_args(rec, m, False)
-            case["today"] = graph_us(lambda: kernels.linear(*args, **kw)), list(astuple(kernels.tile(m, args[1].shape[0], args[0].shape[1], r in NORMED)))
+            case["today"] = (
+                graph_us(lambda: kernels.linear(*args, **kw)),
+                list(astuple(kernels.tile(m, args[1].shape[0], args[0].shape[1], r in NORMED))),
+            )
             case["cublas"] = graph_us(lambda: cublas(r, *args, kw))
             norm, x = kw.get("norm"), args[0]
             if norm is not None:
@@ -202,7 +211,12 @@ def sweep(cases: dict, out: dict, workers: int, t0: float, out_path: Path) -> No
         timed = []
         for bq, bk, w in ATTN_GRID:
             try:
-                timed.append((graph_us(lambda: kernels.attention(q, a["pool"], keys, starts, valid, a["chunk"], bq=bq, bk=bk, warps=w)), [bq, bk, w]))
+                timed.append(
+                    (
+                        graph_us(lambda: kernels.attention(q, a["pool"], keys, starts, valid, a["chunk"], bq=bq, bk=bk, warps=w)),
+                        [bq, bk, w],
+                    )
+                )
             except Exception:
                 continue
         timed.sort()
