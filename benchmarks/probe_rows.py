@@ -1,8 +1,8 @@
-"""Probe (ledger: "decode rows 16"): the engine's audio-mode decode step at 4 / 8 / 16 rows, full shape,
-random weights, three ways: today (the GEMV to 4 rows, cuBLAS past them, the compiled layer step to 4
-rows); the GEMV to 16 rows (tuned at 8 and 16 rows, the tensor-core body only there), the layer step
-past 4 rows eager as today; and the same with the compiled layer step to 16 rows. H200 run 12: the step
-at 4 / 8 rows 5.47 / 6.54 ms bf16, 3.28 / 6.50 ms FP8. Also how long tuning and each engine take.
+"""Probe (ledger: "H100 decode rows 16"): the engine's audio-mode decode step at 1 / 4 / 8 / 16 rows,
+full shape, random weights: before (the GEMV to 4 rows, cuBLAS past them; FP8's input quantized by
+torch ops) and now (the GEMV to 16 rows; FP8's input by quant.py's kernel), each with the layer step
+compiled to 4 rows (as the benchmark's microbench runs it) and eager at every row count (as serving's
+graphs, made ahead by ahead.capture, run it). Also how long tuning and each engine take.
 
     python3 benchmarks/probe_rows.py bf16|fp8 OUT.json
 """
@@ -16,24 +16,18 @@ import time
 import torch
 import yaml
 
-from workflow import trtckpt
+from workflow import fp8, trtckpt
 from workflow.benchmark import microbench
-from workflow.engines import blocks, gemv, layer, tuning
-from workflow.engines.blocks import Body
+from workflow.engines import blocks, gemv, layer, linears, quant, tuning
 from workflow.engines.options import EngineOptions
 from workflow.engines.torch_engine import TorchEngine
 from workflow.generate import Ids
 from workflow.spec import PRESETS
 
-WIDE = (8, 16)
-candidates = blocks.candidates
 
-
-def wide_candidates(k, weight_bytes, fuse=blocks.Fuse.NONE, rows=1):
-    """From 8 rows the tensor-core body alone, where it takes the use (CUDA cores' products grow with the rows)."""
-    found = candidates(k, weight_bytes, fuse, rows)
-    dot = [b for b in found if b.body == Body.DOT]
-    return dot if rows >= WIDE[0] and dot else found
+def torch_quantize(x, scale, norm=None, eps=1e-6, silu_mul=False):
+    """The FP8 input as torch ops (before quant.py): a dozen small kernels eager."""
+    return fp8.quantize(linears.prologue(x, norm, eps, silu_mul), scale)
 
 
 def tensors(spec, fp8: bool) -> dict[str, torch.Tensor]:
@@ -64,27 +58,24 @@ def main() -> None:
     uses = list({blocks.Use.of(lin.weight, f): (lin.weight, f) for lin, f in probe.gemv_uses()}.values())
     del probe
     result = {"precision": precision, "gpu": torch.cuda.get_device_name(), "tune_s": {}, "decode": {}, "engine_s": {}}
-    tuning.candidates = wide_candidates
-    gemv.MAX_M = 16  # tuning launches 16 rows
     found = {}
-    for m in (1, 4, *WIDE):
+    for m in (1, 4, 8, 16):
         t = time.perf_counter()
         found |= tuning.tune(uses, rows=(m,))
         result["tune_s"][m] = round(time.perf_counter() - t, 1)
         print(f"tune rows {m}: {result['tune_s'][m]} s", flush=True)
     result["tuning"] = blocks.tuning_json(found)
-    for u, tuned in sorted(found.items(), key=lambda kv: kv[0].key()):
-        b = tuned.block
-        print(f"  {u.key()}: {b.body.value} {b.block_n}x{b.block_k} w{b.warps} s{b.stages} {tuned.ms * 1e3:.1f} us", flush=True)
-    today = {u: t for u, t in found.items() if u.rows in (1, 4)}
-    variants = {  # name: (ROWS, gemv.MAX_M, layer.COMPILED_BATCH, tuning)
-        "today": ((1, 4), 4, 4, today),
-        "gemv16": ((1, 4, 8, 16), 16, 4, found),
-        "gemv16_compiled16": ((1, 4, 8, 16), 16, 16, found),
+    before = {u: t for u, t in found.items() if u.rows in (1, 4)}
+    quantize = quant.quantize
+    variants = {  # name: (ROWS, gemv.MAX_M, layer.COMPILED_BATCH, tuning, FP8 input)
+        "before, compiled to 4 rows (microbench)": ((1, 4), 4, 4, before, torch_quantize),
+        "before, eager (serving's graphs)": ((1, 4), 4, 0, before, torch_quantize),
+        "now, eager (serving's graphs)": ((1, 4, 8, 16), 16, 0, found, quantize),
+        "now, compiled to 4 rows (microbench)": ((1, 4, 8, 16), 16, 4, found, quantize),
     }
-    for name, (rows, max_m, compiled, tu) in variants.items():
+    for name, (rows, max_m, compiled, tu, quantizer) in variants.items():
         t = time.perf_counter()
-        blocks.ROWS, gemv.MAX_M, layer.COMPILED_BATCH = rows, max_m, compiled
+        blocks.ROWS, gemv.MAX_M, layer.COMPILED_BATCH, quant.quantize = rows, max_m, compiled, quantizer
         torch._dynamo.reset()  # each variant compiles afresh
         engine = TorchEngine(spec, ts, opts, tu)
         micro = microbench(engine, 512, ids, repeat=30, rows=(4, 8, 16))

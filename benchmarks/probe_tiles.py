@@ -11,11 +11,11 @@ blockings tuned on an H100 at up to 3,840 rows (levers.md, "H200 codec step"). H
    each kernel 20 times in a CUDA graph, as dependent launches; the LayerNorm GEMMs also apart
    (torch's LayerNorm, then the plain GEMM), and cuBLAS (F.linear, with torch's LayerNorm) beside;
    the grid is compiled first by worker processes (Triton's disk cache);
-2. the winners become the blocking table, and the three calls are timed whole (front end, solve,
-   HiFT) with today's table and with the winners, on one warm decoder.
+2. (`whole`) the calls timed whole (front end, solve, HiFT) with kernels.tile's blockings before
+   the held batch's were taken from 1 and now, on one warm decoder; also 16 streams' held batch.
 
     PYTHONPATH=. python benchmarks/probe_tiles.py sweep <sweep.json> [workers (12)]
-    PYTHONPATH=. python benchmarks/probe_tiles.py whole <whole.json> <sweep.json>
+    PYTHONPATH=. python benchmarks/probe_tiles.py whole <whole.json>
 """
 
 import itertools
@@ -229,7 +229,7 @@ def setup(compiled: bool):
     """The full-shape decoder (random weights), its voice, and the three calls: (streams, codes, new frames, start)."""
     dev = torch.device("cuda")
     t = timing.CodecTiming(preset="full", dtype="bfloat16", prompt_codes=46, later_codes=100, batches=(1, 8), repeat=5,
-                           baseline=False, flow_cache=False, slots=8, held=8, compile=compiled)  # fmt: skip
+                           baseline=False, flow_cache=False, slots=16, held=8, compile=compiled)  # fmt: skip
     ours, _ = timing.decoders(t, dev)
     cfg, voice = ours.cfg, timing.voice_of(t, ours)
     la, chunk, stride = cfg.encoder.lookahead, cfg.chunk, cfg.encoder.stride
@@ -260,48 +260,30 @@ def main() -> None:
             del run
         print(f"recorded, {time.perf_counter() - t0:.0f} s", flush=True)
         sweep(recs, out, int(sys.argv[3]) if len(sys.argv) > 3 else 12, t0, out_path)
-    else:  # whole: the three calls with today's blockings and with the table in <sweep.json>
-        out = json.loads(Path(sys.argv[3]).read_text())
+    else:  # whole: the calls with the blockings before and now
+        out = {"device": torch.cuda.get_device_name(), "cases": {}}
         ours, voice, cases, t, dev = setup(compiled=True)
         whole(ours, voice, cases, out, t, dev, t0)
     out_path.write_text(json.dumps(out, indent=1))
 
 
-def winners(out: dict) -> tuple[dict, dict, int, dict]:
-    """What the sweep gives: (role, rows) -> the fastest fused (LayerNorm) or plain Tile; the rows from
-    which the LayerNorms going apart wins for both (0: never); attention rows x queries -> (bq, bk, warps)."""
-    lin, fused, plain, apart_from = out["linear"], {}, {}, 0
-    for r, by_m in lin.items():
-        for m, case in by_m.items():
-            if r in NORMED:
-                fused[r, int(m)] = Tile(*case["fused"][0][1])
-            plain[r, int(m)] = Tile(*case["apart" if r in NORMED else "plain"][0][1])
-    for m in MS:  # from the first row count past which apart wins at every larger one
-        wins = all(lin[r][str(m)]["apart"][0][0] + lin[r][str(m)]["layernorm"] < lin[r][str(m)]["fused"][0][0] for r in NORMED)
-        apart_from = (apart_from or m) if wins else 0
-    attn = {int(k.split("x")[0]) * int(k.split("x")[1]): tuple(v["best"][0][1]) for k, v in out["attention"].items()}
-    return fused, plain, apart_from, attn
+def before_tile(m: int, n: int, k: int, norm: bool) -> Tile:
+    """kernels.tile before the held batch's blockings (H100 codec 6's, at every row count)."""
+    p2 = kernels._pow2
+    if norm:
+        return Tile(16, min(64, p2(n)), p2(k), 4, 1) if m <= 256 else Tile(64, min(128, p2(n)), p2(k), 4, 1)
+    bm, bn = (16, 32) if m <= 256 else (64, 32) if m <= 1024 else (64, 128)
+    return Tile(bm, min(bn, p2(n)), min(128, p2(k)), 4, 3)
 
 
 def whole(ours, voice, cases: dict, out: dict, t, dev, t0: float) -> None:
-    fused, plain, apart_from, attn = winners(out)
-    print(f"winners: LayerNorms apart from {apart_from or 'never'}; attention {attn}", flush=True)
-    role = {(1536, 256): "qkv", (256, 512): "out", (1024, 256): "ff1", (256, 1024): "ff2"}
-    tile0, attention0 = kernels.tile, kernels.attention
-
-    def tuned_tile(m: int, n: int, k: int, norm: bool) -> Tile:
-        near = min(MS, key=lambda s: abs(math.log(s / m)))
-        return (fused if norm else plain)[role[n, k], near]
-
-    def tuned_attention(q, *a, **kw):
-        near = min(attn, key=lambda s: abs(math.log(s / (q.shape[0] * q.shape[1]))))
-        bq, bk, w = attn[near]
-        return attention0(q, *a, bq=bq, bk=bk, warps=w)
-
+    """The three calls whole with the blockings before and now (kernels.tile), on one warm decoder."""
+    now = kernels.tile
+    cases = cases | {"later, 16 streams, 8 held": (16, *cases["later, 8 streams, 8 held"][1:])}
+    out["cases"]["later, 16 streams, 8 held"] = {"rows": 2 * 16 * cases["later, 16 streams, 8 held"][2]}
     for name, (batch, body, frames, start) in cases.items():
-        for variant in ("today", "tuned"):
-            kernels.tile, kernels.attention = (tile0, attention0) if variant == "today" else (tuned_tile, tuned_attention)
-            ours.norm_apart_rows = 0 if variant == "today" else apart_from
+        for variant, tile in (("before", before_tile), ("now", now)):
+            kernels.tile = tile
             run = timing.SlotRunner(ours, voice, batch, body, True, frames, start)
             if "held" in name:
                 run.hift_rows(8)
@@ -311,7 +293,7 @@ def whole(ours, voice, cases: dict, out: dict, t, dev, t0: float) -> None:
                   f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
             timing.close(run)
             del run
-    kernels.tile, kernels.attention = tile0, attention0
+    kernels.tile = now
 
 
 if __name__ == "__main__":

@@ -48,6 +48,25 @@ def test_linear_is_layernorm_gemm_gelu_and_residual(device, norm):
     assert pool.view(50, 16)[[i for i in range(50) if i not in writes.tolist()]].abs().max() == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [1300, 2500, 4500])
+def test_held_batch_blockings_give_torchs_linear(device, m):
+    """The blockings past 1,024 rows (a held batch's: kernels.tile) over rows that fill no block,
+    normed and not: the LayerNorm GEMM with GELU, and the plain one pipelined over K with its
+    residual, against torch's."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    atol = 1e-4 if dtype == torch.float32 else 0.05
+    g = torch.Generator().manual_seed(m)
+    x, w, b, r = (torch.randn(*s, generator=g).to(device, dtype) for s in ((m, 192), (80, 192), (80,), (m, 80)))
+    w = w / 16
+    ln = torch.nn.LayerNorm(192).to(device, dtype)
+    normed = kernels.linear(x, w, b, norm=ln, gelu=True)
+    assert (normed.float() - torch.nn.functional.gelu(torch.nn.functional.linear(ln(x), w, b)).float()).abs().max() <= atol
+    plain = kernels.linear(x, w, b, residual=r)
+    assert (plain.float() - (torch.nn.functional.linear(x, w, b) + r).float()).abs().max() <= atol
+    assert kernels.tile(m, 80, 192, False).bm in (64, 128) and kernels.tile(m, 80, 192, True).warps == 8
+
+
 def call(c: int, heads: int, d: int, device: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     """A block, a call's rows and a pool as FlowSlots makes them: 3 rows x 2 halves; the prompt's 20
     frames (pool rows 0-1) then each row's own; rows start at frames 20, 27 and 40 with 13, 5 and 0

@@ -254,10 +254,11 @@ def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
     their calls of more rows take the default."""
     from workflow.engines.linears import Linear, project
 
-    assert blocks.ROWS == (1, 2, gemv.MAX_M) == (1, 2, 4)
-    a, b, c = (tile(n, 64) for n in (2, 4, 8))
-    assert [blocks.block_for({1: a, 2: b, 4: c}, m) for m in range(1, gemv.MAX_M + 1)] == [a, b, c, c]
-    assert [blocks.block_for({1: a, 4: c}, m) for m in range(1, gemv.MAX_M + 1)] == [a, c, c, c]  # built with (1, 4)
+    assert blocks.ROWS == (1, 2, 4, 8, gemv.MAX_M) == (1, 2, 4, 8, 16)
+    a, b, c, d, e = (tile(n, 64) for n in (2, 4, 8, 16, 32))
+    tuned = {1: a, 2: b, 4: c, 8: d, 16: e}
+    assert [blocks.block_for(tuned, m) for m in range(1, gemv.MAX_M + 1)] == [a, b, c, c] + [d] * 4 + [e] * 8
+    assert [blocks.block_for({1: a, 4: c}, m) for m in range(1, 6)] == [a, c, c, c, None]  # built with (1, 4)
     assert [blocks.block_for(found, 2) for found in ({1: a}, {}, None)] == [None, None, None]
     w, g = torch.randn(24, 64) / 8, torch.rand(64) + 0.5
     one, two, four = tile(8, 64), tile(2, 64), tile(4, 32, 8)
@@ -284,9 +285,14 @@ def test_a_call_takes_the_block_tuned_for_its_row_count(monkeypatch):
 def test_candidates_past_one_row_are_the_kinds_that_won_there():
     """Past one row: no deferred body (launch runs it as the tile's); FP8 read as stored, the
     tensor-core body alone; else the resident body and tiles of ROWS_TILE_WARPS warps at the
-    widest BLOCK_K that K allows, and for bf16 the tensor-core body."""
+    widest BLOCK_K that K allows, and for bf16 the tensor-core body; from WIDE_ROWS rows that
+    body alone where it fits."""
     for rows in blocks.ROWS[1:]:
         assert {b.body for b in blocks.candidates(4096, 1, Fuse.RES, rows)} == {Body.DOT}
+        if rows >= blocks.WIDE_ROWS:
+            assert {b.body for b in blocks.candidates(4096, 2, Fuse.NORM | Fuse.GLU, rows)} == {Body.DOT}
+            assert {b.body for b in blocks.candidates(4096, 4, Fuse.NORM, rows)} == {Body.TILE, Body.RESIDENT}  # float32: none
+            continue
         bf16 = blocks.candidates(4096, 2, Fuse.NORM, rows)
         assert {b.body for b in bf16} == {Body.TILE, Body.RESIDENT, Body.DOT}
         assert {(b.block_k, b.warps) for b in bf16 if b.body == Body.TILE} == {(2048, blocks.ROWS_TILE_WARPS)}

@@ -50,7 +50,7 @@ from workflow.versions import versions
 from workflow.vocoder import Graphed, MelStandIn, load_bigvgan
 
 SCHEMA = Path(__file__).with_name("benchmark.schema.json")
-ROWS = (2, 4, 8)  # few-row decode steps, as serving's: the fused GEMV takes up to 4 rows, cuBLAS more
+ROWS = (2, 4, 8, 16)  # few-row decode steps, as serving's: the fused GEMV takes up to 16 rows, cuBLAS more
 
 
 def microbench(engine: Engine, prompt_len: int, ids: Ids, repeat: int, reply_len: int = 0, rows: tuple[int, ...] = ()) -> dict:

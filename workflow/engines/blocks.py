@@ -26,7 +26,7 @@ class Fuse(enum.Flag):
     GLU = enum.auto()  # epilogue: w = [gate; up] -> silu(x @ gate^T) * (x @ up^T)
 
 
-ROWS = (1, 2, 4)  # the row counts tuned: a call of m rows takes the block of the fewest >= m (block_for)
+ROWS = (1, 2, 4, 8, 16)  # the row counts tuned: a call of m rows takes the block of the fewest >= m (block_for)
 
 
 def block_for(found: dict[int, Block] | None, m: int) -> Block | None:
@@ -98,6 +98,7 @@ DEFER_REGS = 64  # most partial sums a thread may hold in the deferred body
 RESIDENT_N, RESIDENT_PER_SM, RESIDENT_MAX_K = (1, 2, 4), (4, 8), 4096  # the resident body: x's row in registers
 DOT_N, DOT_K, DOT_STAGES = (32, 64, 128), (128, 256), (2, 4)  # the tensor-core body (FP8, Fuse NONE or RES)
 ROWS_TILE_WARPS = 4  # past one row, tiles of this many warps and the widest BLOCK_K only (see candidates)
+WIDE_ROWS = 8  # from this many rows the tensor-core body alone where it takes the use (see candidates)
 DOT_K_BF16, DOT_SMEM = (64, 128), 160 << 10  # bf16's tensor-core body: its K tiles; the most shared memory its stages take
 
 
@@ -121,7 +122,9 @@ def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE, rows: int = 1)
     and tiles of ROWS_TILE_WARPS warps at the widest BLOCK_K that fits (every block that won at
     2, 4 or 8 rows on an H100 from the whole set is one of these: levers.md, probe 34), and for
     bf16 the tensor-core body with any prologue and epilogue, whose stages fit DOT_SMEM (CUDA
-    cores' products grow with the rows: cuBLAS beat the bf16 GEMV at 4 rows)."""
+    cores' products grow with the rows: cuBLAS beat the bf16 GEMV at 4 rows); from WIDE_ROWS
+    rows that body alone (tuned so, bf16's step at 8 and 16 rows beat cuBLAS's on an H100, where
+    the CUDA-core bodies had lost at 8: levers.md, probe 34 and "H100 decode rows 16")."""
     fits = next_power_of_2(k)
     widest = max((bk for bk in BLOCK_K_CHOICES[weight_bytes] if bk <= fits), default=0)
     tiled = [Block(Body.TILE, bn, bk, w) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]
@@ -138,6 +141,8 @@ def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE, rows: int = 1)
     bf16_dot = [Block(Body.DOT, bn, bk, 4, 0, s) for bn in DOT_N for bk in DOT_K_BF16 for s in DOT_STAGES if bk <= fits]
     bf16_dot = [b for b in bf16_dot if b.stages * b.block_k * (tiles * b.block_n + 16) * 2 <= DOT_SMEM]
     bf16_dot = bf16_dot if weight_bytes == 2 and rows > 1 else []
+    if rows >= WIDE_ROWS and bf16_dot:
+        return bf16_dot
     fit = [b for b in tiled + deferred if b.block_k <= fits]
     ok = [b for b in fit if b.body != Body.DEFER or b.block_n * b.block_k <= DEFER_REGS * 32 * b.warps]
     return ok + resident + dot + bf16_dot
