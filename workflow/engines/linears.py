@@ -89,9 +89,9 @@ def project(
 ) -> torch.Tensor:
     """[residual +] linear(prologue(x)), the prologue one of: rms_norm with `norm`; with
     silu_mul, x = [gate | up] -> silu(gate) * up. With `fused` and few rows (decode), one GEMV
-    kernel does it all; FP8 quantizes x first (with the prologue, one kernel: quant.py), unless
-    x arrives quantized (float8: dense's input, from decode attention). glu (fused bf16
-    or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
+    kernel does it all; FP8 quantizes x first, the prologue with it (fused by compile; eager, one
+    kernel: quant.py), unless x arrives quantized (float8: dense's input, from decode attention).
+    glu (fused bf16 or float32 path only): lin is gate_up, and the output is silu(gate) * up."""
     if gemv_path(x, fused):
         block = block_for(lin.blocks, x.numel() // x.shape[-1])
         if lin.a_scale is None:
@@ -100,7 +100,10 @@ def project(
             raise ValueError("project: glu is for bf16 / float32 weights")
         if x.dtype == torch.float8_e4m3fn:  # quantized where it was made (decode attention's output)
             return gemv.gemv(x, lin.fp8_weight, residual.dtype, block, scale=lin.out_scale, residual=residual)
-        xq = quant.quantize(x, lin.a_scale, norm, eps, silu_mul)  # the prologue and the quantize in one kernel
+        if torch.compiler.is_compiling():  # inductor fuses these ops into the op before: faster than a kernel of its own
+            xq = fp8.quantize(prologue(x, norm, eps, silu_mul), lin.a_scale)
+        else:  # eager, as serving's graphs run (ahead.capture): one kernel, not a dozen
+            xq = quant.quantize(x, lin.a_scale, norm, eps, silu_mul)
         return gemv.gemv(xq, lin.fp8_weight, x.dtype, block, scale=lin.out_scale, residual=residual)
     if glu:
         raise ValueError("project: glu needs the fused GEMV path")
