@@ -270,12 +270,11 @@ def batch_rows(decoder: CodecDecoder, voice: VoicePrompt, calls: list[list[int]]
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
 )
-@pytest.mark.parametrize("variant", ["compiled", "kernels", "kernels, norms apart"])
+@pytest.mark.parametrize("variant", ["compiled", "kernels"])
 def test_the_compiled_slot_pass_and_its_kernels_give_the_eager_ones_frames(decoder, voice, device, variant, monkeypatch):
     """With the decoder's blocks compiled (dynamic shapes), the slot pass runs its resnets and the
     transformer blocks' parts around attention compiled; with its kernels, the transformer blocks in
-    Triton (kernels.py; on the CPU Triton's interpreter), their LayerNorms apart where the decoder
-    says from how many rows (here every call's). Each gives the eager pass's frames, for a batch whose
+    Triton (kernels.py; on the CPU Triton's interpreter). Each gives the eager pass's frames, for a batch whose
     rows start at different frames (a stream's second call beside another's first). TF32 off."""
     import copy
 
@@ -285,9 +284,8 @@ def test_the_compiled_slot_pass_and_its_kernels_give_the_eager_ones_frames(decod
         pytest.skip("needs triton, and on the CPU its interpreter (on where no GPU is: conftest)")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     eager = copy.deepcopy(decoder).to(device)
-    other = CodecDecoder(decoder.cfg, **{variant.split(",")[0]: True}).eval().to(device)
+    other = CodecDecoder(decoder.cfg, **{variant: True}).eval().to(device)
     other.load_state_dict(eager.state_dict())
-    other.norm_apart_rows = 1 if "apart" in variant else 0
     g = torch.Generator().manual_seed(4)
     a, b, c = (torch.randint(0, 1000, (16,), generator=g).tolist() for _ in range(3))
     got = []

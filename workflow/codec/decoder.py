@@ -146,7 +146,6 @@ class CodecDecoder(nn.Module):
         if kernels and not kernels_module.available():
             raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
         self.official, self.kernels = official, kernels
-        self.norm_apart_rows = 0  # with kernels: rows from which the slots' LayerNorms run apart (kernels.block)
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)

@@ -283,24 +283,19 @@ def attention(
 
 
 def block(
-    b: torch.nn.Module, h: Tensor, pool: Tensor, keys: Tensor, writes: Tensor, starts: Tensor, valid: Tensor, chunk: int,
-    norm_apart: int = 0,
+    b: torch.nn.Module, h: Tensor, pool: Tensor, keys: Tensor, writes: Tensor, starts: Tensor, valid: Tensor, chunk: int
 ) -> Tensor:  # fmt: skip
     """A TransformerBlock (estimator.py) over h [R, Q, C], as slots.SlotPass.transformer computes it:
     the new keys and values written to pool frames `writes` [R, Q], every key read from pool frames `keys`.
-    From `norm_apart` rows (R x Q; 0: never) the two LayerNorms run as torch's kernel and the GEMMs
-    after them pipelined over K: the LayerNorm-fused GEMM holds a row whole in one unpipelined block,
-    and at a held batch's thousands of rows ran ~2 x cuBLAS (levers.md, "H100 codec 6"); two launches
-    more, so not where the rows are few."""
+    The LayerNorms stay in their GEMMs at any rows: apart (torch's LayerNorm, then a GEMM pipelined
+    over K) they never won on an H100 from 80 to 7,680 rows (levers.md, "H100 codec tiles")."""
     r, nq, c = h.shape
     a, ff = b.attn1, b.ff.net
     x = h.reshape(r * nq, c).contiguous()
-    apart = 0 < norm_apart <= r * nq
-    n1, n3 = (None, None) if apart else (b.norm1, b.norm3)
-    q = linear(b.norm1(x) if apart else x, a.qkv.weight, norm=n1, pool=pool, writes=writes.reshape(-1))
+    q = linear(x, a.qkv.weight, norm=b.norm1, pool=pool, writes=writes.reshape(-1))
     y = attention(q.view(r, nq, a.heads, -1), pool, keys, starts, valid, chunk)
     h = linear(y.view(r * nq, -1), a.to_out[0].weight, a.to_out[0].bias, residual=x)
-    g = linear(b.norm3(h) if apart else h, ff[0].proj.weight, ff[0].proj.bias, norm=n3, gelu=True)
+    g = linear(h, ff[0].proj.weight, ff[0].proj.bias, norm=b.norm3, gelu=True)
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)
 
 

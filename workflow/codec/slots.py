@@ -304,7 +304,6 @@ class SlotPass:
     def __init__(self, decoder: CodecDecoder) -> None:
         self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
         self.kernels = decoder.kernels  # CodecDecoder checked that triton is there
-        self.norm_apart = decoder.norm_apart_rows
         wrap = compile_block if decoder.compiled else lambda f: f
         self.resnet = wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
@@ -322,7 +321,7 @@ class SlotPass:
         keys and values written to the row's pool frames first, then every key frame gathered."""
         if self.kernels:
             ix = view.ix
-            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk, self.norm_apart)
+            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk)
         x = self.qkv(b, h)
         pool = view.kv[b.attn1]
         pool.index_put_((view.ix.writes,), x[:, :, 1:])

@@ -124,7 +124,7 @@ def candidates(k: int, weight_bytes: int, fuse: Fuse = Fuse.NONE, rows: int = 1)
     bf16 the tensor-core body with any prologue and epilogue, whose stages fit DOT_SMEM (CUDA
     cores' products grow with the rows: cuBLAS beat the bf16 GEMV at 4 rows); from WIDE_ROWS
     rows that body alone (tuned so, bf16's step at 8 and 16 rows beat cuBLAS's on an H100, where
-    the CUDA-core bodies had lost at 8: levers.md, probe 34 and "H100 decode rows 16")."""
+    the CUDA-core bodies had lost at 8: levers.md, probes 34 and 36)."""
     fits = next_power_of_2(k)
     widest = max((bk for bk in BLOCK_K_CHOICES[weight_bytes] if bk <= fits), default=0)
     tiled = [Block(Body.TILE, bn, bk, w) for bn in BLOCK_N_CHOICES for bk in BLOCK_K_CHOICES[weight_bytes] for w in WARPS_CHOICES]

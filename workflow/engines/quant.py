@@ -4,11 +4,11 @@ rounded to float8_e4m3fn, saturating at +-448 (`fp8.quantize(linears.prologue(x)
 The FP8 GEMV reads x as stored (its tensor-core body multiplies e4m3 by e4m3), so x is quantized
 before it. As torch ops that is a dozen small kernels (the norm's float32 cast, square, mean, rsqrt,
 two products and their casts; the division, clamp and cast), three sites a layer. torch.compile fuses
-them, but serving's decode graphs are captured from the eager step (`ahead.capture`: a compile per
-shape costs seconds), where they cost an FP8 step ~2 ms on an H100 (docs/levers.md, "H100 decode rows
-16"). Each program here reads the few rows whole for the norm (x is a few KB) and writes its block of
-columns, rounding where the torch ops round (the GEMV's prologue, `gemv._input`).
-Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1)."""
+them into the op before, and `linears.project` leaves them to it; but serving's decode graphs are
+captured from the eager step (`ahead.capture`: a compile per shape costs seconds), where they cost an
+FP8 step 1.6-2 ms on an H100 (docs/levers.md, probe 36). Each program here reads the few rows whole
+for the norm (x is a few KB) and writes its block of columns, rounding where the torch ops round (the
+GEMV's prologue, `gemv._input`). Without a GPU it runs under Triton's interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
