@@ -113,7 +113,8 @@ def markdown(b: dict) -> str:
             + " / ".join(rows)
             + " streams: "
             + " / ".join(f"{ms:.3f}" for ms in [engine_mb["decode_audio_mode_ms"]["p50"], *rows.values()])
-            + " ms p50 (serving's few-row steps; the fused GEMV takes up to 4 rows, cuBLAS more).",
+            + " ms p50 (serving's few-row steps, the layer step compiled to 4 rows; the fused GEMV takes up to 16"
+            + " rows, cuBLAS more).",
         ]
     lines += [
         "",
