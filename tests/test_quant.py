@@ -65,6 +65,6 @@ def test_plain_quantize_keeps_leading_dims():
 def test_refuses_what_it_cannot_do():
     scale = torch.ones(1, device=DEVICE)
     with pytest.raises(ValueError, match="do not combine"):
-        quant.launch(torch.randn(1, 16, device=DEVICE), scale, norm=torch.ones(8, device=DEVICE), silu_mul=True)
+        quant.quantize(torch.randn(1, 16, device=DEVICE), scale, norm=torch.ones(8, device=DEVICE), silu_mul=True)
     with pytest.raises(ValueError, match=f"at most {gemv.MAX_M} rows"):
-        quant.launch(torch.randn(gemv.MAX_M + 1, 16, device=DEVICE), scale)
+        quant.quantize(torch.randn(gemv.MAX_M + 1, 16, device=DEVICE), scale)

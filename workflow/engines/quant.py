@@ -63,10 +63,11 @@ if triton is not None:
         return tl.where(tl.abs(q) < 0.015625, sub, normal)
 
 
-def launch(
+def quantize(
     x: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False
 ) -> torch.Tensor:
-    """x [..., K] (silu_mul: [..., 2K] = [gate | up]) -> float8_e4m3fn [..., K], at most gemv.MAX_M rows."""
+    """x [..., K] (silu_mul: [..., 2K] = [gate | up]) -> float8_e4m3fn [..., K], at most gemv.MAX_M rows.
+    Called on the eager path only (`linears.project`), so no op for torch.compile wraps it."""
     if norm is not None and silu_mul:
         raise ValueError("quantize: norm and silu_mul do not combine")
     shape = x.shape
@@ -81,18 +82,3 @@ def launch(
         SILU_MUL=silu_mul, FP8_MAX=FP8_MAX, BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
     return y.reshape(*shape[:-1], k)
-
-
-if triton is not None:  # an opaque op to torch.compile and CUDA graphs, as the GEMV is
-    _op = torch.library.custom_op("mossbuild::quantize", launch, mutates_args=())
-
-    @_op.register_fake
-    def _(x, scale, norm=None, eps=1e-6, silu_mul=False):
-        return x.new_empty(*x.shape[:-1], x.shape[-1] // (2 if silu_mul else 1), dtype=torch.float8_e4m3fn)
-
-
-def quantize(
-    x: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False
-) -> torch.Tensor:
-    """`launch` as one opaque op (what the engine's FP8 GEMV path calls, compiled or not)."""
-    return _op(x, scale, norm, eps, silu_mul)
