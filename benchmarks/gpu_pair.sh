@@ -24,8 +24,8 @@
 # 1,800; H200 run 12 (bf16's benchmark 466 s, FP8's 359 s; a probe beside each of calls 3 and 4):
 # 212 / 353 / 472 / 501 s, held 1,646 s. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
-# near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Since 888ad01 the build
-# also tunes the GEMV at 8 and 16 rows (~25-35 s more on an H100: levers.md, probe 36). Each side's output is
+# near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Tuning at 8 and 16 rows
+# too (blocks.ROWS) adds ~25-35 s to a build on an H100 (levers.md, probe 36). Each side's output is
 # in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
 # the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's and
