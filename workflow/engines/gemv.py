@@ -52,7 +52,6 @@ except ImportError:  # the engine works without it (engine.gemv: false)
     triton = None
 
 MAX_M = ROWS[-1]  # rows handled here; more rows (batched decode, prefill) go to cuBLAS
-NORM_K = 1024  # the tensor-core body's norm: columns of x summed a step (_dot)
 
 
 def available() -> bool:
@@ -176,22 +175,20 @@ if triton is not None:
     def _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, rm, m_ok, N, rows_per_part, eps, K: tl.constexpr,
              NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
              GLU: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_K: tl.constexpr):  # fmt: skip
+             BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
         """The tensor-core body: x's rows (padded to BLOCK_M = 16) times the weight tile as stored,
         loads pipelined over STAGES; x as stored (FP8: quantized by the caller), or through the
         prologue and rounded to w's dtype as torch rounds it (bf16); GLU: gate's and up's tiles,
         two products. From 64 rows the weight is the left operand (Hopper's wgmma wants M >= 64),
         else x is. Hopper's FP8 tensor cores accumulate with fewer bits than float32, as
         cuBLASLt's fast accumulation (the FP8 prefill's) does: 1-2.5 bf16 ulps of the largest
-        output in probe 33, and verify passed on an H200 with it. The norm's sum of squares reads x
-        NORM_K columns a step, wider than the weight's tiles: a loop of loads with no dot is not
-        pipelined, so its steps are L2 round trips, one after another."""
+        output in probe 33, and verify passed on an H200 with it."""
         W_FIRST: tl.constexpr = BLOCK_N >= 64
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         rstd = tl.zeros((BLOCK_M,), tl.float32)
         if NORM:
-            rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, NORM_K)
+            rstd = _rstd(x_ptr, rm, m_ok, eps, K, BLOCK_M, BLOCK_K)
         if W_FIRST:  # noqa: SIM108 (constexpr: one branch compiled)
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         else:
@@ -226,13 +223,13 @@ if triton is not None:
         K: tl.constexpr, STRIDES: tl.constexpr,
         NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
         GLU: tl.constexpr, DEFER: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
         if DOT:  # tensor cores, DOT pipeline stages
             _dot(x_ptr, w_ptr, y_ptr, res_ptr, scale_ptr, norm_ptr, rm, m_ok, N, rows_per_part, eps, K, NORM, SILU_MUL,
-                 HAS_RES, HAS_SCALE, GLU, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, DOT, NORM_K)  # fmt: skip
+                 HAS_RES, HAS_SCALE, GLU, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, DOT)  # fmt: skip
         elif RESIDENT:  # BLOCK_K >= K: x read and prologued once, kept in registers; the program strides over column blocks
             rk = tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -322,7 +319,6 @@ def launch(
         GLU=glu, DEFER=block.body == Body.DEFER and m == 1, RESIDENT=resident, DOT=block.stages if dot else 0,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=16 if dot else max(1, triton.next_power_of_2(m)), BLOCK_N=block.block_n, BLOCK_K=block.block_k,
-        NORM_K=min(NORM_K, triton.next_power_of_2(k)),
         num_warps=block.warps,
     )  # fmt: skip
     return y.reshape(*shape[:-1], n)
