@@ -107,14 +107,17 @@ def markdown(b: dict) -> str:
     engine_mb = b["microbench"]["engine"]
     rows = {k.split("_")[3]: v["p50"] for k, v in engine_mb.items() if k.endswith("_rows_ms")}
     if rows:
+        from workflow.engines.gemv import MAX_M  # the engine's limits the line states, as they are
+        from workflow.engines.layer import COMPILED_BATCH
+
         lines += [
             "",
             "The engine's audio-mode decode step alone at 1 / "
             + " / ".join(rows)
             + " streams: "
             + " / ".join(f"{ms:.3f}" for ms in [engine_mb["decode_audio_mode_ms"]["p50"], *rows.values()])
-            + " ms p50 (serving's few-row steps, the layer step compiled to 4 rows; the fused GEMV takes up to 16"
-            + " rows, cuBLAS more).",
+            + f" ms p50 (serving's few-row steps, the layer step compiled to {COMPILED_BATCH} rows; the fused GEMV"
+            + f" takes up to {MAX_M} rows, cuBLAS more).",
         ]
     lines += [
         "",
