@@ -128,6 +128,25 @@ def test_a_seeded_bug_fails_it(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_convolutions_bias_and_the_residual_sum_go_with_the_snake(device):
+    """A ResBlock's elementwise work in one kernel against torch's: the bias [C] (a channel's own: the
+    flipped bias fails), then the Snake; the residual sum kept and the next Snake made of it, or the
+    sum alone."""
+    g = torch.Generator().manual_seed(6)
+    act = Snake(3).to(device)
+    act.alpha.data = torch.tensor([0.5, 1.0, 3.0], device=device)
+    x, r = ((4 * torch.randn(2, 3, 700, generator=g)).to(device) for _ in range(2))
+    b = torch.tensor([-1.0, 0.25, 2.0], device=device)
+    biased = x + b[:, None]
+    assert (kernels.snake(x, act.alpha, b) - act(biased)).abs().max() <= 1e-5
+    assert (kernels.snake(x, act.alpha, b.flip(0)) - act(biased)).abs().max() > 0.1
+    total, y = kernels.residual_snake(x, b, r, act.alpha)
+    assert (total - (r + biased)).abs().max() <= 1e-6 and (y - act(r + biased)).abs().max() <= 1e-5
+    alone, none = kernels.residual_snake(x, b, r, None)
+    assert none is None and torch.equal(alone, total)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_snake_in_one_kernel_is_hifts_snake_and_hift_gives_the_same_pcm(device, monkeypatch):
     """HiFT's Snake (x + sin^2(alpha x) / alpha, an alpha per channel) in one kernel, against torch's ops:
     a tensor that fills no whole block and channels of other alphas (a kernel reading the wrong

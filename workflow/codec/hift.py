@@ -47,7 +47,10 @@ class Snake(nn.Module):
 
 
 class ResBlock(nn.Module):
-    """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), both convs 'same' length."""
+    """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), both convs 'same' length. With its Snakes fused
+    (`HiFT.fuse_snakes`) a step is four kernels where torch's ops and the Snake kernel were seven: each
+    convolution runs without its bias, which the kernel after it adds (with the Snake after conv1; with
+    the residual sum and the next step's first Snake after conv2)."""
 
     def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
         super().__init__()
@@ -59,9 +62,25 @@ class ResBlock(nn.Module):
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.activations1[0].fused:
+            return self.fused(x)
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
             x = x + c2(a2(c1(a1(x))))
         return x
+
+    def fused(self, x: Tensor) -> Tensor:
+        steps = list(zip(self.convs1, self.convs2, self.activations2, strict=True))
+        h = kernels.snake(x, self.activations1[0].alpha)
+        for j, (c1, c2, a2) in enumerate(steps):
+            h = kernels.snake(unbiased(c1, h), a2.alpha, c1.bias)
+            after = self.activations1[j + 1].alpha if j + 1 < len(steps) else None
+            x, h = kernels.residual_snake(unbiased(c2, h), c2.bias, x, after)
+        return x
+
+
+def unbiased(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """conv(x) without its bias, which the kernel after it adds."""
+    return F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation)
 
 
 class F0Predictor(nn.Module):

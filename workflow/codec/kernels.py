@@ -1,5 +1,6 @@
-"""The slot pass's transformer blocks (slots.py) in five Triton kernels, and HiFT's Snake activation in
-one (`snake`), for CUDA (Triton's interpreter runs them on the CPU in the tests).
+"""The slot pass's transformer blocks (slots.py) in five Triton kernels, and HiFT's Snake activation with
+the bias and residual sum around it in one (`snake`, `residual_snake`), for CUDA (Triton's interpreter
+runs them on the CPU in the tests).
 
 Why: at batch 1 an ODE step is bound by how many kernels it launches, ~3.5 us each even from a CUDA
 graph (docs/levers.md, "H100 codec 3" and "H100 codec 4"), and the slot pass's transformer block,
@@ -194,14 +195,37 @@ if triton is not None:
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _snake(x_ptr, a_ptr, y_ptr, n, C, T, BLOCK: tl.constexpr):
-        """y = x + sin(a x)^2 / (a + 1e-9) over x [B, C, T] (flat), a [C]: HiFT's Snake in one pass."""
+    def _snake(
+        x_ptr,
+        b_ptr,
+        r_ptr,
+        a_ptr,
+        s_ptr,
+        y_ptr,
+        n,
+        C,
+        T,
+        BIAS: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        SNAKE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Over x [B, C, T] (flat): s = x (+ b[c]) (+ r), stored where RESIDUAL; y = s + sin(a s)^2 / (a + 1e-9),
+        a [C], stored where SNAKE. HiFT's Snake, and the convolution's bias and the residual sum before it, in
+        one pass. The sums go in torch's order (the convolution's bias, then the residual)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
+        c = (i // T) % C
         x = tl.load(x_ptr + i, mask=ok, other=0.0)
-        a = tl.load(a_ptr + (i // T) % C, mask=ok, other=1.0)
-        s = tl.sin(a * x)
-        tl.store(y_ptr + i, x + s * s / (a + 1e-9), mask=ok)
+        if BIAS:
+            x = x + tl.load(b_ptr + c, mask=ok, other=0.0)
+        if RESIDUAL:
+            x = tl.load(r_ptr + i, mask=ok, other=0.0) + x
+            tl.store(s_ptr + i, x, mask=ok)
+        if SNAKE:
+            a = tl.load(a_ptr + c, mask=ok, other=1.0)
+            sn = tl.sin(a * x)
+            tl.store(y_ptr + i, x + sn * sn / (a + 1e-9), mask=ok)
 
 
 def _precision(x: Tensor) -> str:
@@ -300,12 +324,29 @@ def block(
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)
 
 
-def snake(x: Tensor, alpha: Tensor) -> Tensor:
-    """HiFT's Snake (hift.Snake) over x [B, C, T] in one kernel, where torch launches six (its multiply,
-    sine, square, the alpha's epsilon, division and sum): ~430 of HiFT's launches a call at the true
-    shape, ~70 % of them."""
+def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
+    """HiFT's Snake (hift.Snake) over x [B, C, T] (+ a convolution's bias [C], added first) in one kernel,
+    where torch launches six (its multiply, sine, square, the alpha's epsilon, division and sum) and the
+    bias one more."""
+    return _elementwise(x, alpha, bias, None)[1]
+
+
+def residual_snake(x: Tensor, bias: Tensor, residual: Tensor, alpha: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """A ResBlock's step end: s = residual + (x + bias) (x a convolution's output without its bias [C]) and
+    the next step's Snake of s (None where `alpha` is None), in one pass where torch makes three (bias, sum,
+    then the Snake's one kernel) -> (s, snake(s))."""
+    return _elementwise(x, alpha, bias, residual)
+
+
+def _elementwise(x: Tensor, alpha: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> tuple:
     x = x.contiguous()
-    y = torch.empty_like(x)
-    n = x.numel()
-    _snake[(triton.cdiv(n, SNAKE_BLOCK),)](x, alpha, y, n, x.shape[1], x.shape[2], BLOCK=SNAKE_BLOCK, num_warps=4)
-    return y
+    s = torch.empty_like(x) if residual is not None else None
+    y = torch.empty_like(x) if alpha is not None else None
+    r = residual.contiguous() if residual is not None else None
+    n, (_, c, t) = x.numel(), x.shape
+    _snake[(triton.cdiv(n, SNAKE_BLOCK),)](
+        x, x if bias is None else bias, x if r is None else r, x if alpha is None else alpha,
+        x if s is None else s, x if y is None else y, n, c, t,
+        BIAS=bias is not None, RESIDUAL=r is not None, SNAKE=alpha is not None, BLOCK=SNAKE_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return s, y
