@@ -150,8 +150,10 @@ def test_a_convolutions_bias_and_the_residual_sum_go_with_the_snake(device):
 def test_snake_in_one_kernel_is_hifts_snake_and_hift_gives_the_same_pcm(device, monkeypatch):
     """HiFT's Snake (x + sin^2(alpha x) / alpha, an alpha per channel) in one kernel, against torch's ops:
     a tensor that fills no whole block and channels of other alphas (a kernel reading the wrong
-    channel's alpha fails); then HiFT's PCM with every Snake fused, the tiny shape, float32 (HiFT's;
-    on CUDA with TF32 off, so that the convolutions do not round the two apart)."""
+    channel's alpha fails); then HiFT's PCM with its network fused (`HiFT.fuse`: channels-last, each ResBlock
+    step's elementwise work in the Snake kernels) against torch's, the tiny shape, float32 (HiFT's; on
+    CUDA with TF32 off, so that the convolutions do not round the two apart): fused, fused then loaded
+    with a state dict (its weights stay channels-last), and unfused again (the plain PCM exactly)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     g = torch.Generator().manual_seed(5)
     act = Snake(3).to(device)
@@ -169,6 +171,18 @@ def test_snake_in_one_kernel_is_hifts_snake_and_hift_gives_the_same_pcm(device, 
     with torch.no_grad():
         source = hift.source(mel)
         plain = hift.decode(mel, source)
-        hift.fuse_snakes()
+        hift.fuse()
         fused = hift.decode(mel, source)
-    assert all(m.fused for m in hift.modules() if isinstance(m, Snake)) and (fused - plain).abs().max() <= 1e-5
+        other = HiFT(CodecConfig.tiny().hift).to(device).eval()
+        other.fuse()
+        other.load_state_dict(hift.state_dict())  # loaded after fuse: the channels-last layout stays
+        loaded = other.decode(mel, source)
+        hift.fuse(False)
+        unfused = hift.decode(mel, source)
+    assert all(m.fused for m in hift.modules() if isinstance(m, Snake)) is False
+    assert (fused - plain).abs().max() <= 1e-5 and (loaded - plain).abs().max() <= 1e-5 and torch.equal(unfused, plain)
+    for name, m in other.named_modules():  # the network's convolutions go to cuDNN channels-last (NHWC)
+        if isinstance(m, torch.nn.Conv1d | torch.nn.ConvTranspose1d) and not name.startswith("f0_predictor"):
+            assert m.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
+            assert hift.get_submodule(name).weight.is_contiguous(), name  # unfused: as loaded
+            assert m.weight.shape[-1] == 1 or not m.weight.is_contiguous(), name

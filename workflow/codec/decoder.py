@@ -152,7 +152,7 @@ class CodecDecoder(nn.Module):
         self.fast = FastEstimator(self.estimator, compiled)  # reads the estimator's weights at each call
         self.noise = FixedNoise(cfg.solver.noise_frames, cfg.solver.noise_seed, cfg.encoder.mel)
         self.hift = HiFT(cfg.hift)
-        self.hift.fuse_snakes(kernels)
+        self.hift.fuse(kernels)
         self.source = NsfSource(self.hift)
 
     @property

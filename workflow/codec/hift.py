@@ -32,7 +32,7 @@ ELU_CONVS = 5  # ConvRNNF0Predictor: five Conv1d(k=3) + ELU pairs, then Linear(c
 
 class Snake(nn.Module):
     """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]. `fused`
-    (`HiFT.fuse_snakes`): one Triton kernel (kernels.snake) in place of torch's six."""
+    (`HiFT.fuse`): one Triton kernel (kernels.snake) in place of torch's six."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -48,7 +48,7 @@ class Snake(nn.Module):
 
 class ResBlock(nn.Module):
     """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), both convs 'same' length. With its Snakes fused
-    (`HiFT.fuse_snakes`) a step is four kernels where torch's ops and the Snake kernel were seven: each
+    (`HiFT.fuse`) a step is four kernels where torch's ops and the Snake kernel were seven: each
     convolution runs without its bias, which the kernel after it adds (with the Snake after conv1; with
     the residual sum and the next step's first Snake after conv2)."""
 
@@ -72,15 +72,35 @@ class ResBlock(nn.Module):
         steps = list(zip(self.convs1, self.convs2, self.activations2, strict=True))
         h = kernels.snake(x, self.activations1[0].alpha)
         for j, (c1, c2, a2) in enumerate(steps):
-            h = kernels.snake(unbiased(c1, h), a2.alpha, c1.bias)
+            h = kernels.snake(conv(c1, h, bias=False), a2.alpha, c1.bias)
             after = self.activations1[j + 1].alpha if j + 1 < len(steps) else None
-            x, h = kernels.residual_snake(unbiased(c2, h), c2.bias, x, after)
+            x, h = kernels.residual_snake(conv(c2, h, bias=False), c2.bias, x, after)
         return x
 
 
-def unbiased(conv: nn.Conv1d, x: Tensor) -> Tensor:
-    """conv(x) without its bias, which the kernel after it adds."""
-    return F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation)
+def rows(x: Tensor) -> Tensor:
+    """[B, C, T] -> [B, C, 1, T] channels-last (memory [B, T, C]), as `conv` takes it."""
+    return x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
+def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, *, bias: bool = True) -> Tensor:
+    """m(x), without its bias where `bias` is False. x [B, C, 1, T] channels-last (`rows`) goes as the 2-D
+    convolution over its one row, which cuDNN runs channels-last (NHWC) with no conversions around it
+    where the weight is channels-last too (`channels_last`)."""
+    b, (s,), (p,), (d,) = m.bias if bias else None, m.stride, m.padding, m.dilation
+    if isinstance(m, nn.ConvTranspose1d):
+        if x.dim() == 3:
+            return F.conv_transpose1d(x, m.weight, b, s, p, m.output_padding, 1, d)
+        return F.conv_transpose2d(x, m.weight.unsqueeze(2), b, (1, s), (0, p), (0, m.output_padding[0]), 1, (1, d))
+    if x.dim() == 3:
+        return F.conv1d(x, m.weight, b, s, p, d)
+    return F.conv2d(x, m.weight.unsqueeze(2), b, (1, s), (0, p), (1, d))
+
+
+def channels_last(w: Tensor, on: bool) -> Tensor:
+    """A convolution's weight [A, B, k] in memory [A, k, B], so that its [A, B, 1, k] view is channels-last
+    (on), or contiguous again. Loading a state dict (copy_) and .to() keep the layout."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2) if on else w.contiguous()
 
 
 class F0Predictor(nn.Module):
@@ -179,12 +199,18 @@ class HiFT(nn.Module):
         self.conv_post = nn.Conv1d(c >> len(cfg.upsample_rates), n_fft + 2, 7, padding=3)
         self.f0_predictor = F0Predictor(cfg.mel, cfg.f0_channels)
         self.register_buffer("window", torch.hann_window(n_fft), persistent=False)  # periodic, as scipy's fftbins=True
+        self.fused = False
 
-    def fuse_snakes(self, on: bool = True) -> None:
-        """Every Snake as one Triton kernel (on CUDA, or Triton's interpreter), or as torch's ops."""
+    def fuse(self, on: bool = True) -> None:
+        """The network (`decode`) channels-last, every Snake one Triton kernel (on CUDA, or Triton's
+        interpreter) and each ResBlock step's elementwise work with them; or torch's ops over [B, C, T]."""
+        self.fused = on
         for m in self.modules():
             if isinstance(m, Snake):
                 m.fused = on
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and not name.startswith(("f0_predictor", "m_source")):
+                m.weight.data = channels_last(m.weight.data, on)
 
     def source(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """mel [B, mels, F] -> the NSF source [B, 1, F*hop]."""
@@ -197,15 +223,18 @@ class HiFT(nn.Module):
         cfg, n_fft = self.cfg, self.cfg.istft_n_fft
         spec = torch.stft(source[:, 0], n_fft, cfg.istft_hop, n_fft, self.window, return_complex=True)
         s = torch.cat([spec.real, spec.imag], dim=1)  # [B, n_fft + 2, T/istft_hop + 1]
-        x = self.conv_pre(mel)
+        if self.fused:  # [B, C, 1, T] channels-last
+            s, mel = rows(s), rows(mel)
+        x = conv(self.conv_pre, mel)
         n = len(cfg.resblock_kernels)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, cfg.lrelu_slope))
-            if i == len(self.ups) - 1:
-                x = F.pad(x, (1, 0), mode="reflect")  # one more frame, to match the STFT's T/hop + 1
-            x = x + self.source_resblocks[i](self.source_downs[i](s))
+            x = conv(up, F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:  # one more frame, to match the STFT's T/hop + 1
+                x = F.pad(x.flatten(2), (1, 0), mode="reflect")
+                x = rows(x) if self.fused else x
+            x = x + self.source_resblocks[i](conv(self.source_downs[i], s))
             x = sum(block(x) for block in self.resblocks[i * n : (i + 1) * n]) / n
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as in the official code
+        x = conv(self.conv_post, F.leaky_relu(x)).flatten(2)  # default slope 0.01 here, as in the official code
         magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
         phase = torch.sin(x[:, n_fft // 2 + 1 :])
         pcm = istft(torch.polar(magnitude, phase), cfg.istft_hop, self.window)

@@ -204,18 +204,18 @@ if triton is not None:
         y_ptr,
         n,
         C,
-        T,
+        CSTRIDE,
         BIAS: tl.constexpr,
         RESIDUAL: tl.constexpr,
         SNAKE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Over x [B, C, T] (flat): s = x (+ b[c]) (+ r), stored where RESIDUAL; y = s + sin(a s)^2 / (a + 1e-9),
-        a [C], stored where SNAKE. HiFT's Snake, and the convolution's bias and the residual sum before it, in
-        one pass. The sums go in torch's order (the convolution's bias, then the residual)."""
+        """Over x (flat, its channel c = i // CSTRIDE % C): s = x (+ b[c]) (+ r), stored where RESIDUAL;
+        y = s + sin(a s)^2 / (a + 1e-9), a [C], stored where SNAKE. HiFT's Snake, and the convolution's bias
+        and the residual sum before it, in one pass. The sums go in torch's order (the bias, then the residual)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
-        c = (i // T) % C
+        c = (i // CSTRIDE) % C
         x = tl.load(x_ptr + i, mask=ok, other=0.0)
         if BIAS:
             x = x + tl.load(b_ptr + c, mask=ok, other=0.0)
@@ -325,7 +325,8 @@ def block(
 
 
 def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
-    """HiFT's Snake (hift.Snake) over x [B, C, T] (+ a convolution's bias [C], added first) in one kernel,
+    """HiFT's Snake (hift.Snake) over x [B, C, T] or [B, C, 1, T] channels-last (`hift.rows`), a convolution's
+    bias [C] added first, in one kernel,
     where torch launches six (its multiply, sine, square, the alpha's epsilon, division and sum) and the
     bias one more."""
     return _elementwise(x, alpha, bias, None)[1]
@@ -339,14 +340,17 @@ def residual_snake(x: Tensor, bias: Tensor, residual: Tensor, alpha: Tensor | No
 
 
 def _elementwise(x: Tensor, alpha: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> tuple:
-    x = x.contiguous()
+    """The kernel over x as laid out: contiguous, or [B, C, 1, T] channels-last (its channels innermost);
+    the outputs and the residual in x's layout."""
+    if not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)):
+        x = x.contiguous()
     s = torch.empty_like(x) if residual is not None else None
     y = torch.empty_like(x) if alpha is not None else None
-    r = residual.contiguous() if residual is not None else None
-    n, (_, c, t) = x.numel(), x.shape
+    r = None if residual is None else residual if residual.stride() == x.stride() else torch.empty_like(x).copy_(residual)
+    n = x.numel()
     _snake[(triton.cdiv(n, SNAKE_BLOCK),)](
         x, x if bias is None else bias, x if r is None else r, x if alpha is None else alpha,
-        x if s is None else s, x if y is None else y, n, c, t,
+        x if s is None else s, x if y is None else y, n, x.shape[1], x.stride(1),
         BIAS=bias is not None, RESIDUAL=r is not None, SNAKE=alpha is not None, BLOCK=SNAKE_BLOCK, num_warps=4,
     )  # fmt: skip
     return s, y
