@@ -239,7 +239,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             f"HiFT float32, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
             f"the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
             + (", the slots' transformer blocks as Triton kernels" if decoder.kernels and t.slots else "")
-            + (", HiFT's Snake activations one Triton kernel each" if decoder.kernels else "")
+            + (", HiFT's network channels-last, its Snakes and the sums around them in Triton kernels" if decoder.kernels else "")
             + (", the flow and HiFT's network from CUDA graphs" if graphs else ""),
         }
         return (

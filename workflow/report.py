@@ -159,7 +159,7 @@ def codec_markdown(c: dict) -> list[str]:
         "far; its ODE solve, with the flow cache, only the frames after the last call's end (the first call: after the "
         "voice prompt's past, made once per voice), and without it (ours, the baseline) every frame; `ours, slots` is "
         "the call as serving makes it, each stream in its flow slot solving only its new frames"
-        + (", the slots' transformer blocks as Triton kernels (and ours' HiFT Snakes). " if c.get("kernels") else ". ")
+        + (", the slots' transformer blocks as Triton kernels (ours' HiFT fused). " if c.get("kernels") else ". ")
         + f"The first call comes after the {cfg['prompt_codes']}-code voice prompt and {c['first_codes']} codes, the "
         f"later {cfg['later_codes']} codes further on. HiFT runs every stream's frames in one call.",
     ]

@@ -334,7 +334,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         },
         "graphs": graphs,  # whether ours ran from CUDA graphs (asked for, and on CUDA)
         "compiled": ours.compiled,  # whether ours ran its estimator's blocks compiled
-        "kernels": ours.kernels,  # whether the slots' transformer blocks and ours' HiFT Snakes ran as Triton kernels
+        "kernels": ours.kernels,  # whether the slots' transformer blocks ran as Triton kernels and ours' HiFT fused (HiFT.fuse)
         "steps": cfg.solver.steps,
         "first_codes": hop0 + la,
         "calls": rows,
