@@ -1,9 +1,11 @@
-"""CUDA graphs share their memory: on the GPU machine only (`pytest tests/test_cudagraphs.py`)."""
+"""CUDA graphs share their memory (on the GPU machine only: `pytest tests/test_cudagraphs.py`), and the
+priorities they are captured at, with the detokenizer's lanes' (anywhere)."""
 
 import pytest
 import torch
 
-from workflow.cudagraphs import Graphs
+from workflow.cudagraphs import CAPTURE_PRIORITY, Graphs, capture_priority
+from workflow.detokenize import lane_priorities
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -53,3 +55,16 @@ def test_call_copies_each_calls_inputs_into_the_keys_static_buffers():
         got = graphs.call("add", torch.add, x, y).clone()
         torch.testing.assert_close(got, x + y)
     assert len(graphs.graphs) == 1 and len(graphs.inputs["add"]) == 2
+
+
+def test_later_pieces_below_decoding_only_when_asked_and_their_graphs_keep_it():
+    """Lower is higher. The engine's graphs, called from the default stream (0), are captured above it; a
+    lane's graphs at the lane's own priority. Urgent pieces above decoding; later ones at decoding's, or
+    with later_below between it and default-priority work, and then their graphs too (a capture at the
+    higher of the two, as before, would put them back level with decoding)."""
+    assert capture_priority(0) == CAPTURE_PRIORITY < 0
+    for later_below in (False, True):
+        lanes = lane_priorities(later_below)
+        assert lanes[True] < CAPTURE_PRIORITY and {capture_priority(p) for p in lanes.values()} == set(lanes.values())
+    assert lane_priorities(False)[False] == CAPTURE_PRIORITY
+    assert CAPTURE_PRIORITY < lane_priorities(True)[False] < 0

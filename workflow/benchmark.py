@@ -199,13 +199,14 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
     then BigVGAN-v2 (`benchmark.vocoder`), whose mel does not match the decoder's (docs/codec.md)."""
     cuda = device.type == "cuda"
     bucket = functools.partial(batch_bucket, max_batch=1 << 16)
+    serving = LoadConfig.from_dict(p["load"]) if p.get("load") else None
+    below = bool(serving and serving.later_below_decode)  # the lanes' priorities (detokenize.lane_priorities)
     if p.get("speech", "codec") == "codec":
         if not p.get("codec"):
             raise SystemExit("benchmark.speech is codec: benchmark.codec must give the decoder's shape")
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
         graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
-        serving = LoadConfig.from_dict(p["load"]) if p.get("load") else None
         held = serving.detokenize_hold * decoder.cfg.chunk * decoder.stride if serving else 0  # a held batch's frames a stream
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
@@ -245,7 +246,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
         return (
             (lambda n: CodecSpeech(batch, n)),
             decoder.samples_per_code,
-            lambda: CodecLanes(batch, device, time.perf_counter),
+            lambda: CodecLanes(batch, device, time.perf_counter, later_below=below),
             said,
             batch.release,
         )
@@ -263,7 +264,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
             return vocoder(m.to(dtype))
 
     def serving() -> Lanes:  # the load's clock never waits for the device
-        return Batched(mel, vocode, spt, device, bucket, time.perf_counter)
+        return Batched(mel, vocode, spt, device, bucket, time.perf_counter, later_below=below)
 
     said = {
         "kind": "stand-in",

@@ -7,9 +7,10 @@ kernels) and captures, later ones replay.
 
 Capture runs on a high-priority stream: PyTorch instantiates graphs with per-node priorities,
 so a graph's kernels keep its capture stream's priority wherever it is replayed. That priority
-is CAPTURE_PRIORITY, above default-priority work, or the current stream's if that is higher
-(the detokenizer's urgent lane): a caller that replays one shape on streams of different
-priorities keys its graphs by priority too.
+is the current stream's where it has one of its own (the detokenizer's lanes: `capture_priority`),
+else CAPTURE_PRIORITY, above default-priority work (the engine's graphs, called from the default
+stream): a caller that replays one shape on streams of different priorities keys its graphs by
+priority too.
 
 Graphs of one priority share one memory pool (they run one after another on their stream) and are
 captured on one stream: the caching allocator reuses a freed block only on the stream that
@@ -27,7 +28,13 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-CAPTURE_PRIORITY = -1  # of the capture stream: lower is higher; 0 the default
+CAPTURE_PRIORITY = -2  # of the capture stream from the default stream: lower is higher; 0 the default
+
+
+def capture_priority(current: int) -> int:
+    """The priority a graph is captured at, from the current stream's: its own, or CAPTURE_PRIORITY
+    where it is the default (0)."""
+    return current or CAPTURE_PRIORITY
 
 
 class Graphs:
@@ -70,7 +77,7 @@ class Graphs:
                 fn()
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            priority = min(CAPTURE_PRIORITY, current.priority)
+            priority = capture_priority(current.priority)
             if priority not in self.capture:
                 self.capture[priority] = (torch.cuda.Stream(self.device, priority=priority), None)
             stream, pool = self.capture[priority]

@@ -242,14 +242,23 @@ class Piece:
     last: bool = False
 
 
+def lane_priorities(later_below: bool) -> dict[bool, int]:
+    """The lanes' stream priorities (lower is higher), by `urgent`: first pieces above everything (-100 is
+    clamped to the highest there is); later ones at the decode graphs' priority, or with `later_below`
+    one step below it (above default-priority work), so that where both wait for the GPU, decoding,
+    which time to first audio waits on, goes first and a held batch, which has its slack, after."""
+    return {False: CAPTURE_PRIORITY + 1 if later_below else CAPTURE_PRIORITY, True: -100}
+
+
 class Lanes:
     """Serving's detokenizer, the part every kind shares: a batch of many streams' pieces (`_run`,
     the kind's own) and when its PCM was ready.
 
     On CUDA the work goes to a side stream (a lane) and the call returns at once: the codes come
     from the host, so nothing waits for decoding, and decoding goes on beside it. Later pieces run
-    at the decode graphs' priority; `urgent` ones (streams' first audible pieces: time to first
-    audio waits on them) on a lane of the highest priority, which the GPU serves first. The
+    at the decode graphs' priority, or below it (`later_below`: `lane_priorities`); `urgent` ones
+    (streams' first audible pieces: time to first audio waits on them) on a lane of the highest
+    priority, which the GPU serves first. The
     batch's ready time is a CUDA event read once complete and put on the host clock through an
     anchor event (`host_time`), recorded on an idle stream and renewed every `anchor_s`, as the
     GPU's and the host's clocks drift apart (parts per million), never waiting behind a lane's work
@@ -258,15 +267,18 @@ class Lanes:
     first_codes = 1  # codes a stream needs before its first PCM: pieces until then are urgent
     anchor_wait_s = 0.0005  # the longest a renewal of the anchor watches its event (inf: waits, whatever it takes)
 
-    def __init__(self, sample_rate: float, device: torch.device, clock: Clock, anchor_s: float = 2.0):
+    def __init__(
+        self, sample_rate: float, device: torch.device, clock: Clock, anchor_s: float = 2.0, later_below: bool = False
+    ):  # fmt: skip
         self.sample_rate, self.device, self.clock = sample_rate, device, clock  # PCM samples a second
         self.anchor_s, self.anchor, self.t_anchor = anchor_s, None, -float("inf")
         self.t_renew, self.renewals_put_off = -float("inf"), 0  # the next try to renew the anchor; those put off
         cuda = device.type == "cuda"
-        # two lanes: later pieces at the decode graphs' priority, first ones (urgent) above both
-        # (-100 is clamped to the highest there is); a graph captured on a lane keeps its priority
-        lanes = {False: CAPTURE_PRIORITY, True: -100}
+        lanes = lane_priorities(later_below)  # a graph captured on a lane keeps its priority
         self.lanes = {urgent: torch.cuda.Stream(device, priority=p) for urgent, p in lanes.items()} if cuda else {}
+        self.priorities = {"urgent" if u else "later": s.priority for u, s in self.lanes.items()}  # as the device clamped them
+        if cuda:  # and the engine's graphs' (cudagraphs.CAPTURE_PRIORITY)
+            self.priorities["decode graphs"] = torch.cuda.Stream(device, priority=CAPTURE_PRIORITY).priority
         self.idle = torch.cuda.Stream(device) if cuda else None
 
     def __call__(self, pieces: list[Piece], urgent: bool = False) -> tuple[Ready, list[int]]:
@@ -327,9 +339,9 @@ class Batched(Lanes):
 
     def __init__(
         self, mel: Mel, vocoder: Vocoder, samples_per_code: int, device: torch.device, bucket: Callable[[int], int],
-        clock: Clock, anchor_s: float = 2.0,
+        clock: Clock, anchor_s: float = 2.0, later_below: bool = False,
     ):  # fmt: skip
-        super().__init__(samples_per_code / SECONDS_PER_TOKEN, device, clock, anchor_s)
+        super().__init__(samples_per_code / SECONDS_PER_TOKEN, device, clock, anchor_s, later_below)
         self.mel, self.vocoder, self.samples_per_code, self.bucket = mel, vocoder, samples_per_code, bucket
 
     def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:

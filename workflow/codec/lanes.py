@@ -23,11 +23,11 @@ class CodecLanes(Lanes):
 
     def __init__(
         self, batch: CodecBatch, device: torch.device, clock: Clock, anchor_s: float = 2.0,
-        sink: Callable[[int, Tensor], None] | None = None,
+        sink: Callable[[int, Tensor], None] | None = None, later_below: bool = False,
     ):  # fmt: skip
         """sink(stream, pcm): where each piece's PCM goes (a server's audio out), called as the piece is
         launched: on CUDA the PCM is computed on the lane, to be read after the batch's `Ready`."""
-        super().__init__(batch.decoder.cfg.hift.sampling_rate, device, clock, anchor_s)
+        super().__init__(batch.decoder.cfg.hift.sampling_rate, device, clock, anchor_s, later_below)
         self.batch, self.sink = batch, sink
         self.first_codes = batch.first_codes
         self.max_streams = batch.slot_count  # streams served at full speed: one a flow slot (0: no slots, none faster)

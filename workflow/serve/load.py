@@ -65,6 +65,7 @@ class LoadConfig:
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds (ServeConfig)
     first_audio_first: bool = False  # later chunks wait while a stream awaits its first audio, but those due soon (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
+    later_below_decode: bool = False  # the detokenizer's later lane one priority below the decode graphs (lane_priorities)
     pace: float = 0.0  # >= 1: a stream past its first PCM decoded only to this many times real time (ServeConfig; 0: off)
     pace_lead_s: float = 1.0  # with pace: the audio kept ahead of that (ServeConfig)
     seed: int = 9101
@@ -350,6 +351,7 @@ def run(
         "streams_at_slo": max(ok, default=0),
         "timeline": example,
         "prepared": made,
+        "lane_priorities": getattr(detokenize, "priorities", {}),  # the detokenizer's lanes' (CUDA; lower is higher)
     }
 
 
