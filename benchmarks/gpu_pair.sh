@@ -31,10 +31,10 @@
 set -euo pipefail
 # the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's and
 # the flow slots' first, beside convert (the builds that follow tune the GEMV; serving's benchmark leans on
-# the slots' pools and graphs), the rest of the codec's last
+# the slots' pools and graphs), the rest of the codec's and the graphs' priorities and pools last
 FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
              tests/test_quant.py tests/test_codec_slots.py tests/test_codec_batch.py)
-CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py)
+CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
 side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
         MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
 both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
