@@ -326,9 +326,8 @@ def block(
 
 def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
     """HiFT's Snake (hift.Snake) over x [B, C, T] or [B, C, 1, T] channels-last (`hift.rows`), a convolution's
-    bias [C] added first, in one kernel,
-    where torch launches six (its multiply, sine, square, the alpha's epsilon, division and sum) and the
-    bias one more."""
+    bias [C] added first, in one kernel where torch launches six (its multiply, sine, square, the alpha's
+    epsilon, division and sum) and the bias one more."""
     return _elementwise(x, alpha, bias, None)[1]
 
 
