@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from functools import reduce
 
 import torch
 import torch.nn.functional as F
@@ -233,7 +234,8 @@ class HiFT(nn.Module):
                 x = F.pad(x.flatten(2), (1, 0), mode="reflect")
                 x = rows(x) if self.fused else x
             x = x + self.source_resblocks[i](conv(self.source_downs[i], s))
-            x = sum(block(x) for block in self.resblocks[i * n : (i + 1) * n]) / n
+            # the blocks' mean; sum() would add 0 to the first, one more pass over it
+            x = reduce(torch.add, (block(x) for block in self.resblocks[i * n : (i + 1) * n])) / n
         x = conv(self.conv_post, F.leaky_relu(x)).flatten(2)  # default slope 0.01 here, as in the official code
         magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
         phase = torch.sin(x[:, n_fft // 2 + 1 :])
