@@ -187,7 +187,7 @@ def first_codes(engine: Engine, prompt: torch.Tensor, ids: Ids) -> Callable[[int
     return run
 
 
-def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tuple:
+def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_cfg: LoadConfig | None) -> tuple:
     """The detokenizer `benchmark.speech` names, made once: (a request's Speech for B rows, its PCM
     samples per code, serving's detokenizer (made when called), what benchmark.json says of it, a
     call that gives back what it holds between phases).
@@ -199,18 +199,17 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids) -> tu
     then BigVGAN-v2 (`benchmark.vocoder`), whose mel does not match the decoder's (docs/codec.md)."""
     cuda = device.type == "cuda"
     bucket = functools.partial(batch_bucket, max_batch=1 << 16)
-    serving = LoadConfig.from_dict(p["load"]) if p.get("load") else None
-    below = bool(serving and serving.later_below_decode)  # the lanes' priorities (detokenize.lane_priorities)
+    below = bool(load_cfg and load_cfg.later_below_decode)  # the lanes' priorities (detokenize.lane_priorities)
     if p.get("speech", "codec") == "codec":
         if not p.get("codec"):
             raise SystemExit("benchmark.speech is codec: benchmark.codec must give the decoder's shape")
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
         graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
-        held = serving.detokenize_hold * decoder.cfg.chunk * decoder.stride if serving else 0  # a held batch's frames a stream
+        held = load_cfg.detokenize_hold * decoder.cfg.chunk * decoder.stride if load_cfg else 0  # a held batch's frames a stream
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
-            slots=t.slots, max_codes=max(p["num_tokens"], serving.longest_codes if serving else 0), later_frames=held,
+            slots=t.slots, max_codes=max(p["num_tokens"], load_cfg.longest_codes if load_cfg else 0), later_frames=held,
             pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN),
         )  # fmt: skip
         slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames, batch.pages) if t.slots else 0
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     device, spec = torch.device(meta["options"].device), ModelSpec(**meta["spec"])
     ids = Ids.of(spec)
     dtype = getattr(torch, meta["options"].dtype)
-    speech, spt, serving, b_speech, idle = speech_of(p, device, dtype, ids)
+    speech, spt, serving, b_speech, idle = speech_of(p, device, dtype, ids, load_cfg)
 
     def measure(name: str, system: Engine) -> None:
         reply_len = p["num_tokens"] if name == "engine" else 0  # the eager baseline defers nothing: minutes saved

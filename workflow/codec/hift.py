@@ -32,24 +32,21 @@ ELU_CONVS = 5  # ConvRNNF0Predictor: five Conv1d(k=3) + ELU pairs, then Linear(c
 
 
 class Snake(nn.Module):
-    """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]. `fused`
-    (`HiFT.fuse`): one Triton kernel (kernels.snake) in place of torch's six."""
+    """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]; a fused
+    ResBlock (`HiFT.fuse`) reads its alpha into one Triton kernel (kernels.snake) in place of torch's six."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
-        self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused:
-            return kernels.snake(x, self.alpha)
         a = self.alpha[None, :, None]
         return x + torch.sin(a * x).pow(2) / (a + 1e-9)
 
 
 class ResBlock(nn.Module):
-    """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), both convs 'same' length. With its Snakes fused
-    (`HiFT.fuse`) a step is four kernels where torch's ops and the Snake kernel were seven: each
+    """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), both convs 'same' length. `fused` (`HiFT.fuse`):
+    a step is four kernels where torch's ops and the Snake kernel were seven: each
     convolution runs without its bias, which the kernel after it adds (with the Snake after conv1; with
     the residual sum and the next step's first Snake after conv2)."""
 
@@ -61,15 +58,16 @@ class ResBlock(nn.Module):
         self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.activations1[0].fused:
-            return self.fused(x)
+        if self.fused:
+            return self.kernel_forward(x)
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
             x = x + c2(a2(c1(a1(x))))
         return x
 
-    def fused(self, x: Tensor) -> Tensor:
+    def kernel_forward(self, x: Tensor) -> Tensor:
         steps = list(zip(self.convs1, self.convs2, self.activations2, strict=True))
         h = kernels.snake(x, self.activations1[0].alpha)
         for j, (c1, c2, a2) in enumerate(steps):
@@ -203,14 +201,13 @@ class HiFT(nn.Module):
         self.fused = False
 
     def fuse(self, on: bool = True) -> None:
-        """The network (`decode`) channels-last, every Snake one Triton kernel (on CUDA, or Triton's
-        interpreter) and each ResBlock step's elementwise work with them; or torch's ops over [B, C, T]."""
+        """The network (`decode`) channels-last, each ResBlock step's Snakes and elementwise work in Triton
+        kernels (on CUDA, or Triton's interpreter); or torch's ops over [B, C, T]. The F0 predictor stays."""
         self.fused = on
-        for m in self.modules():
-            if isinstance(m, Snake):
-                m.fused = on
         for name, m in self.named_modules():
-            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and not name.startswith(("f0_predictor", "m_source")):
+            if isinstance(m, ResBlock):
+                m.fused = on
+            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and not name.startswith("f0_predictor"):
                 m.weight.data = channels_last(m.weight.data, on)
 
     def source(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
