@@ -5,8 +5,8 @@
 #
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | the GEMV's and flow slots' CUDA tests
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 build, verify | FP8 calibrate
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | the rest of the codec's CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify, the rest of the codec's CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | GPU 0 free (a probe on bf16's engine)
 #
 # On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (24 flow slots, 360 s of pages: they do not fit
 # an H100, so ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card), and
@@ -31,7 +31,8 @@
 set -euo pipefail
 # the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's and
 # the flow slots' first, beside convert (the builds that follow tune the GEMV; serving's benchmark leans on
-# the slots' pools and graphs), the rest of the codec's and the graphs' priorities and pools last
+# the slots' pools and graphs), the rest of the codec's and the graphs' priorities and pools after FP8's verify
+# in call 3 (bf16's benchmark takes longer), so that call 4 leaves GPU 0 and its cores to a probe
 FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
              tests/test_quant.py tests/test_codec_slots.py tests/test_codec_batch.py)
 CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
@@ -46,7 +47,7 @@ tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tm
 case ${1:?step 1, 2, 3 or 4} in
     1) tests 1 first-tests.log "${FIRST_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
     2) both "bf16 verify" "fp8 calibrate" ;;
-    3) both "bf16" "fp8 verify" ;;
-    4) side 1 fp8 & tests 0 cuda-tests.log "${CODEC_TESTS[@]}" & wait ;;
+    3) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
+    4) side 1 fp8 ;;
     *) echo "unknown step $1 (1, 2, 3 or 4)" >&2; exit 2 ;;
 esac
