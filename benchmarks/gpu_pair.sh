@@ -23,7 +23,7 @@
 # benchmark ~390 s of work; H200 run 10: 216 / 408 / 501 / 419 s, held 1,607 s of the session's
 # 1,800; H200 run 12 (bf16's benchmark 466 s, FP8's 359 s; a probe beside each of calls 3 and 4):
 # 212 / 353 / 472 / 501 s, held 1,646 s; H200 run 13 (the GEMV tuned at 5 row counts, no probe): 186 / 360 / 457 / 347 s,
-# held 1,425 s. Download and convert (~100 s) are a call of their own because bf16's
+# held 1,425 s; H200 run 14 (the codec's CUDA tests after FP8's verify in call 3): 202 / 424 / 490 s. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
 # near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Tuning at 8 and 16 rows
 # too (blocks.ROWS) adds ~25-35 s to a build on an H100 (levers.md, probe 36). Each side's output is
@@ -42,9 +42,19 @@ both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
 # tests <gpu> <log> <test ...>: pytest on GPU i with the i-th half of the cores, its output in $OUT/<log>
 tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(( $1 * half ))-$(( $1 * half + half - 1 ))" \
               python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
+# a call whose earlier calls' outputs are not here met a fresh machine (the one held was given back, e.g. idle
+# 30 s between calls: H200 run 14): it stops at once, where redoing them would spend the session's device time
+needs() { local f; for f in "$@"; do [ -e "results/full/$f" ] || {
+    echo "step $step needs results/full/$f from the calls before it: this machine is fresh; start again at step 1" >&2; exit 3; }; done; }
+step=${1:?step 1, 2, 3 or 4}
+case $step in
+    2) needs ckpt-bf16 ;;
+    3) needs torch-bf16/verify.json calib-fp8 ;;
+    4) needs torch-fp8/verify.json ;;
+esac
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
-case ${1:?step 1, 2, 3 or 4} in
+case $step in
     1) tests 1 first-tests.log "${FIRST_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
     2) both "bf16 verify" "fp8 calibrate" ;;
     3) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
