@@ -45,6 +45,7 @@ class Graphs:
         self.capture: dict[int, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority -> stream, pool
         self.inputs: dict[Hashable, list[torch.Tensor]] = {}  # call's static input buffers, by key
         self.captured, self.capture_s = 0, 0.0  # graphs captured so far, and the host's seconds in it
+        self.replay_s = 0.0  # the host's seconds in replays' launches: one blocks while the device's queue is full
 
     def call(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor) -> T:
         """fn(*args) replayed from the graph for `key`: args are copied into static buffers kept
@@ -87,5 +88,7 @@ class Graphs:
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
             self.captured, self.capture_s = self.captured + 1, self.capture_s + time.perf_counter() - t0
         graph, out, _ = self.graphs[key]
+        t0 = time.perf_counter()
         graph.replay()
+        self.replay_s += time.perf_counter() - t0
         return out  # type: ignore[return-value]

@@ -283,15 +283,24 @@ def slow_line(s: dict, iterations: int) -> str:
         f"{100 * s['with_prompts']:.0f} % admitted prompts ({s['prompts']:.1f} on average; "
         f"of all {100 * s['all_with_prompts']:.0f} %), "
         f"{100 * s['beside_later']:.0f} % began beside a later codec batch (of all {100 * s['all_beside_later']:.0f} %); "
-        f"host ms each: {host or '-'}"
+        f"{waits_words(s)}host ms each: {host or '-'}"
     )
+
+
+def waits_words(s: dict) -> str:
+    """The slow iterations' waits (serve/waits.py) in words, where any met one."""
+    share, of_all = 100 * s.get("pinned_allocs", 0), 100 * s.get("all_pinned_allocs", 0)
+    pinned = f"{share:.0f} % grew CUDA's pinned pool (of all {of_all:.0f} %); "
+    gc = f"{100 * s.get('gc', 0):.0f} % met a full garbage collection ({s.get('gc_ms', 0):.1f} ms each on average); "
+    launches = f"graph launches {s.get('replay_ms', 0):.1f} ms each (of all {s.get('all_replay_ms', 0):.1f}); "
+    return (pinned if s.get("pinned_allocs") else "") + (gc if s.get("gc") else "") + (launches if s.get("replay_ms") else "")
 
 
 def held_note(lv: dict) -> str:
     """What held the level beyond its work, where anything did: the detokenizer's clock anchor put off
     (its idle stream behind a lane's work, detokenize.Lanes), CUDA graphs captured mid-level, the
-    allocator's retries (each a wait for the whole device)."""
-    notes = []
+    allocator's retries (each a wait for the whole device), and the waits of serve/waits.py."""
+    notes = waits_notes(lv.get("waits", {}))
     if n := lv.get("anchor_put_off", 0):
         notes.append(f"the detokenizer's clock anchor put off {n} times (its event queued behind a lane's work)")
     if (made := lv.get("graphs_captured", {})).get("n"):
@@ -300,6 +309,16 @@ def held_note(lv: dict) -> str:
     if retries := lv.get("alloc_retries", 0):
         notes.append(f"the allocator's retries: {retries} (each a wait for the whole device)")
     return "".join(f"; {note}" for note in notes)
+
+
+def waits_notes(waits: dict) -> list[str]:
+    """A level's waits (serve/waits.py), where it met any."""
+    said = {
+        "pinned_allocs": "CUDA's pinned pool grew by {} blocks (cudaHostAlloc, ordered against every stream's work)",
+        "device_mallocs": "{} cudaMalloc calls",
+        "gc_runs": f"{{}} full garbage collections ({waits.get('gc_ms', 0.0):.0f} ms in all)",
+    }
+    return [text.format(waits[k]) for k, text in said.items() if waits.get(k)]
 
 
 def plots(b: dict, out: Path) -> None:

@@ -58,7 +58,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,18 +67,20 @@ from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, advance, audio_mode_after, sample_step
 from workflow.serve.phases import Phases
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
+from workflow.serve.waits import Counts
 from workflow.vocoder import SECONDS_PER_TOKEN
 
 
 @dataclass(frozen=True)
 class Iteration:
-    """What one iteration held beside its work: the prompts it admitted (prefilled), the detokenizer's
-    later-chunk batches still running as it began (on CUDA beside its decode step), and the CUDA graphs
-    captured in it (the load's loop counts them: a capture holds every stream)."""
+    """What one iteration held beside its work: the prompts it admitted, the detokenizer's later batches
+    running as it began (beside its step), and what the load's loop counts around it: CUDA graphs captured,
+    and what else could hold its thread (serve/waits.py)."""
 
     prompts: int = 0
     later: int = 0
     captured: int = 0
+    waits: Counts = field(default_factory=Counts)
 
 
 class Scheduler:
