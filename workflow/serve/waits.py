@@ -39,8 +39,9 @@ class Counts:
 
 
 def pinned_allocs(device: torch.device) -> int:
-    """Blocks CUDA's pinned-memory pool has allocated so far (0 off CUDA, or where torch does not count them)."""
-    stats = getattr(torch.cuda, "host_memory_stats", None)
+    """Blocks CUDA's pinned-memory pool has allocated so far (0 off CUDA, or where torch does not count
+    them); read from the nested statistics, which torch.cuda.host_memory_stats flattens and sorts."""
+    stats = getattr(torch.cuda.memory, "host_memory_stats_as_nested_dict", None)
     return int(stats().get("num_host_alloc", 0)) if device.type == "cuda" and stats is not None else 0
 
 
