@@ -55,16 +55,16 @@ def test_slow_iterations_say_what_the_slowest_held_against_all():
     the codec, made them slow. Host ms by phase are their means."""
     fast = [(1.0 + i / 1e3, Iteration(0, i % 2, waits=Counts(pinned_allocs=i // 196)), {"sample": 0.5}) for i in range(198)]
     slow = [(50.0, Iteration(4, 0, waits=Counts(pinned_allocs=3, replay_s=0.04)), {"sample": 48.0, "prefill": 1.0}),
-            (60.0, Iteration(2, 0, waits=Counts(gc_runs=1, gc_s=0.03)), {"sample": 58.0, "prefill": 1.0})]  # fmt: skip
+            (60.0, Iteration(2, 0, waits=Counts(gc_runs=1)), {"sample": 58.0, "prefill": 1.0})]  # fmt: skip
     got = figures.slow_iterations(fast + slow)
     assert got["threshold_ms"] == 50.0 and got["n"] == 2 and figures.slow_iterations(fast[:99] + slow)["n"] == 1
     assert got["mean_ms"] == 55.0 and got["with_prompts"] == 1.0 and got["prompts"] == 3.0 and got["beside_later"] == 0.0
     assert got["all_with_prompts"] == 0.01 and got["all_beside_later"] == 0.495
     assert got["host_ms"] == {"prefill": 1.0, "sample": 53.0}  # only the phases the slow ones ran
-    assert got["pinned_allocs"] == got["gc"] == 0.5 and got["all_pinned_allocs"] == 0.015 and got["gc_ms"] == 15.0
+    assert got["pinned_allocs"] == got["gc"] == 0.5 and got["all_pinned_allocs"] == 0.015
     assert got["replay_ms"] == pytest.approx(20.0) and got["all_replay_ms"] == pytest.approx(0.2)  # 40 ms of 200 iterations
     said = report.slow_line(got, 200)  # the waits in words, between the shares and the host's ms
-    assert "(of all 50 %); 50 % grew CUDA's pinned pool (of all 2 %); 50 % met a full garbage collection (15.0 ms" in said
+    assert "(of all 50 %); 50 % grew CUDA's pinned pool (of all 2 %); 50 % met a full garbage collection; graph" in said
     assert "graph launches 20.0 ms each (of all 0.2); host ms each: sample 53.0" in said
     assert figures.slow_iterations([]) == {}
 
@@ -119,7 +119,7 @@ def test_a_graph_captured_mid_level_is_counted_and_found_in_the_slow_iterations(
     assert lv["graphs_captured"] == {"n": 1, "seconds": 1.0} and lv["alloc_retries"] == 0
     slow = lv["slow_iterations"]  # the slowest hundredth (at least one): the capturing one among them
     assert slow["captured"] * slow["n"] == 1 and slow["mean_ms"] * slow["n"] >= 1000
-    assert lv["waits"]["gc_runs"] >= 1 and slow["gc"] * slow["n"] >= 1 and slow["gc_ms"] > 0  # it met the collection
+    assert lv["waits"]["gc_runs"] >= 1 and slow["gc"] * slow["n"] >= 1  # it met the collection
     assert lv["waits"]["pinned_allocs"] == lv["waits"]["device_mallocs"] == 0  # the CPU has neither
     assert load.graphs_of(engine, None) == [engine.graphs] and load.graphs_of(load_engine(tiny_engine_dir), None) == []
 

@@ -291,7 +291,7 @@ def waits_words(s: dict) -> str:
     """The slow iterations' waits (serve/waits.py) in words, where any met one."""
     share, of_all = 100 * s.get("pinned_allocs", 0), 100 * s.get("all_pinned_allocs", 0)
     pinned = f"{share:.0f} % grew CUDA's pinned pool (of all {of_all:.0f} %); "
-    gc = f"{100 * s.get('gc', 0):.0f} % met a full garbage collection ({s.get('gc_ms', 0):.1f} ms each on average); "
+    gc = f"{100 * s.get('gc', 0):.0f} % met a full garbage collection; "
     launches = f"graph launches {s.get('replay_ms', 0):.1f} ms each (of all {s.get('all_replay_ms', 0):.1f}); "
     return (pinned if s.get("pinned_allocs") else "") + (gc if s.get("gc") else "") + (launches if s.get("replay_ms") else "")
 
@@ -316,7 +316,7 @@ def waits_notes(waits: dict) -> list[str]:
     said = {
         "pinned_allocs": "CUDA's pinned pool grew by {} blocks (cudaHostAlloc, ordered against every stream's work)",
         "device_mallocs": "{} cudaMalloc calls",
-        "gc_runs": f"{{}} full garbage collections ({waits.get('gc_ms', 0.0):.0f} ms in all)",
+        "gc_runs": "{} full garbage collections",
     }
     return [text.format(waits[k]) for k, text in said.items() if waits.get(k)]
 

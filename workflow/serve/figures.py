@@ -44,7 +44,7 @@ def slow_iterations(iters: list[Record]) -> dict:
     """What a level's slowest decoding iterations (the slowest hundredth, at least one) held against all
     of them: the share that admitted prompts (a prefill), that began beside a running later-chunk batch
     of the detokenizer, and (of the slow ones) that captured a CUDA graph, that grew CUDA's pinned pool
-    (also of all) and that met a garbage collection (with its mean ms), their mean ms launching CUDA
+    (also of all) and that met a full garbage collection, their mean ms launching CUDA
     graphs (also of all: a launch blocks while the device's queue is full), and their mean host ms by phase
     (sampling's holds the wait for the device). Where a slow iteration's time goes: the step's device
     time shared with a held codec call, prompts', a graph made mid-level, or a wait (serve/waits.py)."""
@@ -68,7 +68,6 @@ def slow_iterations(iters: list[Record]) -> dict:
         "pinned_allocs": share(slow, lambda it: it.waits.pinned_allocs),
         "all_pinned_allocs": share(iters, lambda it: it.waits.pinned_allocs),
         "gc": share(slow, lambda it: it.waits.gc_runs),
-        "gc_ms": 1e3 * sum(it.waits.gc_s for _, it, _ in slow) / len(slow),
         "replay_ms": 1e3 * sum(it.waits.replay_s for _, it, _ in slow) / len(slow),
         "all_replay_ms": 1e3 * sum(it.waits.replay_s for _, it, _ in iters) / len(iters),
         "host_ms": {k: sum(h.get(k, 0.0) for _, _, h in slow) / len(slow) for k in sorted({k for _, _, h in slow for k in h})},

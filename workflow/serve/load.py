@@ -186,55 +186,55 @@ def run_level(
     rate, put_off = pcm_rate(detokenize), getattr(detokenize, "renewals_put_off", 0)
     graphs = graphs_of(engine, detokenize)
     made0 = made = captured(graphs)
-    with Waits(engine.device, graphs) as waits:
-        first = waits.level()
-        t0 = clock()
-        pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
-        end = t0 + cfg.duration_s
-        busy, active_sum, seen, peak, last_print = 0.0, 0, 0, 0, t0
-        iters: list[Record] = []  # each decoding iteration's
-        listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
-        while pending or listening or not sched.idle() or (level.kind == "closed" and seen < len(sched.done)):
-            now = clock()
-            while pending and pending[0] <= now:
-                sched.submit(level.new_request(pending.pop(0)))
-            if level.kind == "closed":  # a user whose reply has played asks again
-                listening += sched.done[seen:]
-                seen = len(sched.done)
-                if sched.idle():  # nothing to launch: wait for the detokenizer, to stamp the last replies
-                    sched.flush()
-                    all_stamped(listening, level)
-                for req in [r for r in listening if r.stamped]:
-                    listening.remove(req)
-                    t_next = playback_end(req, rate) if req.chunk_ready else clock()
-                    if t_next < end:
-                        pending.append(t_next)
-                pending.sort()
-            if sched.idle():
-                time.sleep(max(0.0, min(pending[0] - clock(), 0.05)) if pending else 0.0)
-                continue
-            if (wait := sched.wait_s()) > 0:  # every stream ahead of its pace: chunks and stamps still looked at
-                time.sleep(min(wait, PACE_POLL_S))
-            t_iter, host, before, w0 = clock(), dict(sched.phases.host), made[0], waits.iteration()
-            decoded = sched.iterate()
-            took = clock() - t_iter
-            busy += took
-            made = captured(graphs)
-            if decoded:  # an arrival waits up to one to be admitted
-                held = replace(sched.last, captured=made[0] - before, waits=waits.iteration() - w0)
-                iters.append((1e3 * took, held, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
-            active_sum += len(sched.streams) if decoded else 0
-            peak = max(peak, sched.streams_open())
-            if progress and clock() - last_print > 2.0:
-                last_print = clock()
-                print(
-                    f"  load {level.kind} {level.value:g}: {last_print - t0:5.1f} s, {len(sched.streams)} speaking, "
-                    f"{len(sched.queue)} queued, {len(sched.done)} done",
-                    file=sys.stderr,
-                )
-        sched.flush()
-        all_stamped(sched.done, level)
-        waited = waits.level() - first
+    waits = Waits(engine.device, graphs)
+    first = waits.level()
+    t0 = clock()
+    pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
+    end = t0 + cfg.duration_s
+    busy, active_sum, seen, peak, last_print = 0.0, 0, 0, 0, t0
+    iters: list[Record] = []  # each decoding iteration's
+    listening: list[Request] = []  # closed loop: users whose reply is not all stamped yet
+    while pending or listening or not sched.idle() or (level.kind == "closed" and seen < len(sched.done)):
+        now = clock()
+        while pending and pending[0] <= now:
+            sched.submit(level.new_request(pending.pop(0)))
+        if level.kind == "closed":  # a user whose reply has played asks again
+            listening += sched.done[seen:]
+            seen = len(sched.done)
+            if sched.idle():  # nothing to launch: wait for the detokenizer, to stamp the last replies
+                sched.flush()
+                all_stamped(listening, level)
+            for req in [r for r in listening if r.stamped]:
+                listening.remove(req)
+                t_next = playback_end(req, rate) if req.chunk_ready else clock()
+                if t_next < end:
+                    pending.append(t_next)
+            pending.sort()
+        if sched.idle():
+            time.sleep(max(0.0, min(pending[0] - clock(), 0.05)) if pending else 0.0)
+            continue
+        if (wait := sched.wait_s()) > 0:  # every stream ahead of its pace: chunks and stamps still looked at
+            time.sleep(min(wait, PACE_POLL_S))
+        t_iter, host, before, w0 = clock(), dict(sched.phases.host), made[0], waits.iteration()
+        decoded = sched.iterate()
+        took = clock() - t_iter
+        busy += took
+        made = captured(graphs)
+        if decoded:  # an arrival waits up to one to be admitted
+            held = replace(sched.last, captured=made[0] - before, waits=waits.iteration() - w0)
+            iters.append((1e3 * took, held, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
+        active_sum += len(sched.streams) if decoded else 0
+        peak = max(peak, sched.streams_open())
+        if progress and clock() - last_print > 2.0:
+            last_print = clock()
+            print(
+                f"  load {level.kind} {level.value:g}: {last_print - t0:5.1f} s, {len(sched.streams)} speaking, "
+                f"{len(sched.queue)} queued, {len(sched.done)} done",
+                file=sys.stderr,
+            )
+    sched.flush()
+    all_stamped(sched.done, level)
+    waited = waits.level() - first
     wall = clock() - t0
     made = captured(graphs)
     done = sched.done
@@ -275,7 +275,6 @@ def run_level(
             "pinned_allocs": waited.pinned_allocs,
             "device_mallocs": waited.device_mallocs,
             "gc_runs": waited.gc_runs,
-            "gc_ms": 1e3 * waited.gc_s,
             "replay_ms": 1e3 * waited.replay_s,
         },
         "iterations": len(iters),

@@ -9,15 +9,14 @@ whether it happened and its slowest iterations say whether they met it:
 - a CUDA graph's launch, which blocks while the device's queue of launched work is full (the
   host's seconds in `Graphs.run`'s replays);
 - Python's full garbage collections (of its oldest generation), which stop every thread while
-  they walk every object.
+  they walk every object (counted, from the collector's own statistics; not timed).
 
-Each is a count since `Waits` opened (the collections only while it is open)."""
+Each is a count so far: a level or an iteration takes the difference of two readings."""
 
 from __future__ import annotations
 
 import gc
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -31,7 +30,6 @@ class Counts:
     device_mallocs: int = 0  # segments the CUDA caching allocator asked cudaMalloc for (`Waits.level` only)
     alloc_retries: int = 0  # its retries after a failed cudaMalloc (`Waits.level` only)
     gc_runs: int = 0  # Python's full collections
-    gc_s: float = 0.0  # and the seconds they took
     replay_s: float = 0.0  # the host's seconds launching CUDA graphs' replays
 
     def __sub__(self, other: Counts) -> Counts:
@@ -46,32 +44,16 @@ def pinned_allocs(device: torch.device) -> int:
 
 
 class Waits:
-    """Counts so far, `graphs`' replays included, Python's full collections timed while open (`with
-    Waits(device, graphs) as w:`): `iteration()` the cheap ones, read every decoding iteration;
-    `level()` all, the device allocator's too (its statistics cost ~0.1 ms a read), at a level's ends."""
+    """Counts so far, `graphs`' replays included: `iteration()` the cheap ones, read every decoding
+    iteration; `level()` all, the device allocator's too (its statistics cost ~0.1 ms a read), at a
+    level's ends."""
 
-    def __init__(self, device: torch.device, graphs: Sequence[Graphs] = (), clock: Callable[[], float] = time.perf_counter):
-        self.device, self.graphs, self.clock = device, graphs, clock
-        self.gc_runs, self.gc_s, self._t = 0, 0.0, 0.0
-
-    def __enter__(self) -> Waits:
-        gc.callbacks.append(self._collected)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._collected)
-
-    def _collected(self, phase: str, info: dict) -> None:
-        if info["generation"] < 2:  # the young generations' collections: frequent and short
-            return
-        if phase == "start":
-            self._t = self.clock()
-        else:
-            self.gc_runs, self.gc_s = self.gc_runs + 1, self.gc_s + self.clock() - self._t
+    def __init__(self, device: torch.device, graphs: Sequence[Graphs] = ()):
+        self.device, self.graphs = device, graphs
 
     def iteration(self) -> Counts:
         replay_s = sum(g.replay_s for g in self.graphs)
-        return Counts(pinned_allocs=pinned_allocs(self.device), gc_runs=self.gc_runs, gc_s=self.gc_s, replay_s=replay_s)
+        return Counts(pinned_allocs=pinned_allocs(self.device), gc_runs=gc.get_stats()[-1]["collections"], replay_s=replay_s)
 
     def level(self) -> Counts:
         if self.device.type != "cuda":
