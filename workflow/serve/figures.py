@@ -64,7 +64,7 @@ def slow_iterations(iters: list[Record]) -> dict:
         "beside_later": share(slow, lambda it: it.later),
         "all_with_prompts": share(iters, lambda it: it.prompts),
         "all_beside_later": share(iters, lambda it: it.later),
-        "captured": share(slow, lambda it: it.captured),
+        "captured": share(slow, lambda it: it.waits.captured),
         "pinned_allocs": share(slow, lambda it: it.waits.pinned_allocs),
         "all_pinned_allocs": share(iters, lambda it: it.waits.pinned_allocs),
         "gc": share(slow, lambda it: it.waits.gc_runs),

@@ -155,11 +155,6 @@ def graphs_of(engine: Engine, detokenize: Detokenize | None) -> list[Graphs]:
     return [g for o in owners if isinstance(g := getattr(o, "graphs", None), Graphs)]
 
 
-def captured(graphs: list[Graphs]) -> tuple[int, float]:
-    """The graphs captured so far, and the host's seconds in them."""
-    return sum(g.captured for g in graphs), sum(g.capture_s for g in graphs)
-
-
 def all_stamped(reqs: list[Request], level: Level) -> None:
     """After a flush every chunk made has its ready time: one without was lost on its way to the
     detokenizer (its stream's audio skips it) and a closed level would wait for it forever."""
@@ -184,9 +179,7 @@ def run_level(
     serve = cfg.serve_config(chunk_tokens, sampling)
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate, put_off = pcm_rate(detokenize), getattr(detokenize, "renewals_put_off", 0)
-    graphs = graphs_of(engine, detokenize)
-    made0 = made = captured(graphs)
-    waits = Waits(engine.device, graphs)
+    waits = Waits(engine.device, graphs_of(engine, detokenize))
     first = waits.level()
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
@@ -215,13 +208,12 @@ def run_level(
             continue
         if (wait := sched.wait_s()) > 0:  # every stream ahead of its pace: chunks and stamps still looked at
             time.sleep(min(wait, PACE_POLL_S))
-        t_iter, host, before, w0 = clock(), dict(sched.phases.host), made[0], waits.iteration()
+        t_iter, host, w0 = clock(), dict(sched.phases.host), waits.iteration()
         decoded = sched.iterate()
         took = clock() - t_iter
         busy += took
-        made = captured(graphs)
         if decoded:  # an arrival waits up to one to be admitted
-            held = replace(sched.last, captured=made[0] - before, waits=waits.iteration() - w0)
+            held = replace(sched.last, waits=waits.iteration() - w0)
             iters.append((1e3 * took, held, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
         active_sum += len(sched.streams) if decoded else 0
         peak = max(peak, sched.streams_open())
@@ -236,7 +228,6 @@ def run_level(
     all_stamped(sched.done, level)
     waited = waits.level() - first
     wall = clock() - t0
-    made = captured(graphs)
     done = sched.done
     served = [r for r in done if r.error is None]
     ttfa = [1e3 * r.ttfa_s for r in served if r.ttfa_s is not None]
@@ -269,7 +260,7 @@ def run_level(
         "iteration_ms": percentiles(step_ms) | {"max": max(step_ms, default=0.0)},
         "slow_iterations": slow_iterations(iters),
         "anchor_put_off": getattr(detokenize, "renewals_put_off", 0) - put_off,  # its event behind a lane's work
-        "graphs_captured": {"n": made[0] - made0[0], "seconds": made[1] - made0[1]},  # mid-level: every stream held
+        "graphs_captured": {"n": waited.captured, "seconds": waited.capture_s},  # mid-level: every stream held
         "alloc_retries": waited.alloc_retries,  # each a device-wide wait (CUDA)
         "waits": {  # what else could hold the loop's thread (serve/waits.py)
             "pinned_allocs": waited.pinned_allocs,

@@ -74,12 +74,11 @@ from workflow.vocoder import SECONDS_PER_TOKEN
 @dataclass(frozen=True)
 class Iteration:
     """What one iteration held beside its work: the prompts it admitted, the detokenizer's later batches
-    running as it began (beside its step), and what the load's loop counts around it: CUDA graphs captured,
-    and what else could hold its thread (serve/waits.py)."""
+    running as it began (beside its step), and what the load's loop counts around it: CUDA graphs
+    captured and what else could hold its thread (serve/waits.py)."""
 
     prompts: int = 0
     later: int = 0
-    captured: int = 0
     waits: Counts = field(default_factory=Counts)
 
 

@@ -6,8 +6,9 @@ whether it happened and its slowest iterations say whether they met it:
   cudaHostAlloc, which CUDA orders against the work of every stream;
 - the device allocator's new segments (cudaMalloc) and its retries (after a failed cudaMalloc it
   frees its cache: a wait for the whole device);
-- a CUDA graph's launch, which blocks while the device's queue of launched work is full (the
-  host's seconds in `Graphs.run`'s replays);
+- a CUDA graph captured mid-level (`load.prepare` makes them ahead), which holds every stream while
+  it is made, and a graph's launch, which blocks while the device's queue of launched work is full
+  (the host's seconds in `Graphs.run`'s captures and replays);
 - Python's full garbage collections (of its oldest generation), which stop every thread while
   they walk every object (counted, from the collector's own statistics; not timed).
 
@@ -30,6 +31,8 @@ class Counts:
     device_mallocs: int = 0  # segments the CUDA caching allocator asked cudaMalloc for (`Waits.level` only)
     alloc_retries: int = 0  # its retries after a failed cudaMalloc (`Waits.level` only)
     gc_runs: int = 0  # Python's full collections
+    captured: int = 0  # CUDA graphs captured
+    capture_s: float = 0.0  # and the host's seconds in them
     replay_s: float = 0.0  # the host's seconds launching CUDA graphs' replays
 
     def __sub__(self, other: Counts) -> Counts:
@@ -44,7 +47,7 @@ def pinned_allocs(device: torch.device) -> int:
 
 
 class Waits:
-    """Counts so far, `graphs`' replays included: `iteration()` the cheap ones, read every decoding
+    """Counts so far, `graphs`' captures and replays included: `iteration()` the cheap ones, read every decoding
     iteration; `level()` all, the device allocator's too (its statistics cost ~0.1 ms a read), at a
     level's ends."""
 
@@ -52,8 +55,13 @@ class Waits:
         self.device, self.graphs = device, graphs
 
     def iteration(self) -> Counts:
-        replay_s = sum(g.replay_s for g in self.graphs)
-        return Counts(pinned_allocs=pinned_allocs(self.device), gc_runs=gc.get_stats()[-1]["collections"], replay_s=replay_s)
+        return Counts(
+            pinned_allocs=pinned_allocs(self.device),
+            gc_runs=gc.get_stats()[-1]["collections"],
+            captured=sum(g.captured for g in self.graphs),
+            capture_s=sum(g.capture_s for g in self.graphs),
+            replay_s=sum(g.replay_s for g in self.graphs),
+        )
 
     def level(self) -> Counts:
         if self.device.type != "cuda":
