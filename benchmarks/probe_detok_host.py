@@ -18,6 +18,7 @@ import faulthandler
 import gc
 import io
 import json
+import os
 import pstats
 import signal
 import sys
@@ -32,7 +33,9 @@ from workflow.detokenize import Piece
 from workflow.serve import load
 from workflow.serve.waits import Waits
 
-STREAMS = (1, 8, 16, 24)
+STREAMS = tuple(int(n) for n in os.environ.get("PROBE_STREAMS", "1,8,16,24").split(",") if n)
+WARM_ROWS = int(os.environ.get("PROBE_WARM_ROWS", "0"))  # graphs made for up to this many streams (0: load.slots)
+LASTS = [int(n) for n in os.environ.get("PROBE_LASTS", "").split(",") if n]  # one stream's last pieces, in turn
 
 
 def merged(a: dict, b: dict) -> dict:
@@ -82,7 +85,7 @@ def main() -> None:
     _, _, serving, _, _ = speech_of(p, dev, getattr(torch, cfg["engine"]["dtype"]), None, lc)
     detok = serving()
     batch = detok.batch
-    made = detok.warm(lc.slots, k, lc.longest_codes)
+    made = detok.warm(WARM_ROWS or lc.slots, k, lc.longest_codes)
     res: dict = {"warm": {"batches": made, "s": round(time.perf_counter() - t0, 1)}, "hold": hold, "slots": lc.slots}
     print(f"made and warmed: {made} batches in {res['warm']['s']} s", flush=True)
     waits = Waits(dev, [batch.graphs] if batch.graphs is not None else [])
@@ -108,6 +111,23 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     codes = lambda n: torch.randint(0, 4096, (n,), generator=g)  # noqa: E731
+    res["lasts"] = []
+    for i, m in enumerate(LASTS):  # a stream: its first piece, held chunks, then a last piece of m codes
+        key = batch.new_key()
+        timed(detok, waits, [[Piece(key, codes(detok.first_codes), 0)]], urgent=True)
+        done = {key: detok.first_codes}
+        timed(detok, waits, [chunks([key], done, hold, k, codes)])
+        prof = cProfile.Profile()
+        prof.enable()
+        r = timed(detok, waits, [[Piece(key, codes(m), done[key], True)]])
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+        res["lasts"].append({"codes": m, **r} | ({"profile": text.getvalue()[-5000:]} if i < 2 or m == LASTS[0] else {}))
+        print(f"last of {m} codes: {json.dumps(r)}", flush=True)
+        out.write_text(json.dumps(res, indent=1))
+    for x in res["lasts"][:2]:
+        print(x.get("profile", ""), flush=True)
     fc, res["streams"] = detok.first_codes, {}
     for n in STREAMS:
         keys = [batch.new_key() for _ in range(n)]
@@ -129,7 +149,7 @@ def main() -> None:
         res["streams"][n] = r
         print(f"{n} streams: " + json.dumps({a: b for a, b in r.items() if a != "profile"}), flush=True)
         out.write_text(json.dumps(res, indent=1))
-    print(res["streams"][max(STREAMS)].get("profile", ""), flush=True)
+    print(res["streams"][max(STREAMS)].get("profile", "") if STREAMS else "", flush=True)
 
 
 if __name__ == "__main__":
