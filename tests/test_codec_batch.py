@@ -84,7 +84,7 @@ def test_a_streams_waiting_calls_vocode_in_one_pass(decoder, voice, monkeypatch,
     their last 5. HiFT runs each batch's calls in one pass per shape, not a round per call: the first
     call's (at the streams' start), the second's (after the short first hop its F0 context is its own)
     and the last two's together, their source phase carried from call to call; then the chunk, and the
-    last call apart (eager). With slots a pass has at most as many rows as there are slots (serving's
+    last call apart (its own shape). With slots a pass has at most as many rows as there are slots (serving's
     graphs are made for so many). Each stream's PCM is its own alone, chunk by chunk."""
     g = torch.Generator().manual_seed(5)
     codes = {k: torch.randint(0, 1000, (26,), generator=g) for k in (1, 2)}
@@ -156,10 +156,15 @@ class GraphCalls:
 
     def __init__(self) -> None:
         self.keys: list[tuple] = []
+        self.asked: list[tuple] = []  # keys `made` was asked about
 
     def call(self, key, fn, *args):
         self.keys.append(key)
         return fn(*args)
+
+    def made(self, key) -> bool:
+        self.asked.append(key)
+        return key in self.keys
 
 
 def test_padded_passes_give_what_each_stream_gives_alone(decoder, voice, monkeypatch):
@@ -179,8 +184,35 @@ def test_padded_passes_give_what_each_stream_gives_alone(decoder, voice, monkeyp
             pcm[p.stream].append(x)
     hift = [(k[0], k[-2][0]) for k in graphs.keys if k[0] in ("f0", "hift")]
     passes = [("f0", 3), ("f0", 3), ("f0", 4), ("f0", 2)]  # first, second, and the later four rows as 3 + 1
-    assert hift == [*passes, *(("hift", n) for _, n in passes), ("f0", 3), ("hift", 3)]  # then the chunk (the last: eager)
+    assert hift == [*passes, *(("hift", n) for _, n in passes), ("f0", 3), ("hift", 3)]  # then the chunk (the last: no graph made for it, eager)
     assert all(k[-1] == -1 for k in graphs.keys)  # the lane's
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
+def test_a_last_call_replays_what_warm_made_for_its_shape_and_runs_eager_where_it_made_none(decoder, voice, monkeypatch):
+    """A stream's last call has as many frames as it has codes left after its last whole chunk (0 .. 4
+    here): `CodecLanes.warm` makes its HiFT passes at each (graphs stood in for on the CPU, every pass
+    padded to 8 rows), so the last calls of streams of 16 .. 20 codes replay them, while a reply that ends
+    after its first chunk (its last call's F0 context its own) runs eager: no HiFT pass is captured while
+    serving. Each stream's PCM is its own alone."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Lane", (), {"priority": -1})())
+    batch = CodecBatch(decoder, voice, bucket=lambda n: 8, slots=8, max_codes=20)
+    batch.graphs = graphs = GraphCalls()  # type: ignore[assignment]
+    lanes = CodecLanes(batch, torch.device("cpu"), time.perf_counter)
+    assert lanes.warm(6, 5, 20) == 5 * 4 and not batch.streams and not batch.make_last  # 5 sets of 8 streams, 4 pieces
+    made = set(graphs.keys)
+    g = torch.Generator().manual_seed(9)
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in enumerate((16, 17, 18, 19, 20, 8), 1)}
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n in ((0, 6), (6, 5), (11, 5), (16, 5)):
+        pieces = [Piece(k, c[done : done + n], done, done + n >= len(c)) for k, c in codes.items() if done < len(c)]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    assert {k for k in graphs.keys if k[0] in ("f0", "hift")} <= made  # no HiFT pass captured while serving
+    last = graphs.asked  # each last call's F0 and network passes: the short reply's, then the five others'
+    assert len(last) == 2 * 6 and not any(k in made for k in last[:2]) and all(k in made for k in last[2:])
+    assert len({k[1] for k in last[2:]}) == 5  # five lengths of last call, each made ahead
     for k, c in codes.items():
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
@@ -223,7 +255,7 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     ids = Ids.of(engine.spec)
     detok = CodecLanes(CodecBatch(decoder, voice, slots=slots, max_codes=20), torch.device("cpu"), time.perf_counter)
     assert detok.sample_rate == 24000 and detok.first_codes == 6 and not detok.lanes
-    assert detok.warm(2, 5, 20) == 2 * 3 and not detok.batch.streams  # three pieces for each of buckets 1 and 2
+    assert detok.warm(2, 5, 20) == 2 * 4 and not detok.batch.streams  # four pieces for each of buckets 1 and 2
     assert detok.batch.pass_rows == 2  # a HiFT pass of held calls takes no more rows than warm made graphs for
     cfg = load.LoadConfig(closed=(2,), duration_s=1.0, reply_seconds=(1.0, 1.6), prompt_len=24, slots=4)
     levels, served = [], []

@@ -363,3 +363,24 @@ def test_the_load_benchmark_searches_past_its_levels(monkeypatch):
     # a level's traffic is its own: 24 users draw the same arrivals and replies given first or searched
     load.run(None, None, lambda: 0.0, load.LoadConfig(closed=(24,)), Ids.of(PRESETS["tiny"]), 5, Sampling())
     assert drawn[24][0] == drawn[24][1] and drawn[16][0] != drawn[24][0][:16]
+
+
+def test_prepare_freezes_what_exists_out_of_the_garbage_collectors_walks():
+    """After `prepare` every object so far is frozen (gc.freeze): a full collection mid-level walks only
+    what came after (on an H200's host one walked ~0.8 M objects in ~400 ms of the loop's thread)."""
+
+    class Node:
+        pass
+
+    kept = Node()
+    kept.me = kept  # in a cycle: a full collection would walk it every time
+    engine = type("Engine", (), {"device": torch.device("cpu"), "active": lambda self: []})()
+    try:
+        made = load.prepare(engine, None, load.LoadConfig(), 5)
+        assert made["frozen_objects"] >= gc.get_freeze_count() > 1000  # (frozen objects freed since leave it)
+        assert not any(o is kept for o in gc.get_objects())  # out of every generation the collector walks
+        later = Node()
+        later.me = later
+        assert any(o is later for o in gc.get_objects())  # what comes after is collected as before
+    finally:
+        gc.unfreeze()

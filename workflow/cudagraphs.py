@@ -58,6 +58,10 @@ class Graphs:
             buffer.copy_(a)
         return self.run(key, lambda: fn(*static))
 
+    def made(self, key: Hashable) -> bool:
+        """Whether the graph for `key` is captured (a caller may run a shape eager rather than capture it)."""
+        return key in self.graphs
+
     def drop(self, which: Callable[[Hashable], bool]) -> None:
         """Forget the graphs (and their input buffers) whose keys `which` picks: those that read memory
         about to be freed. Their memory stays in the pool, for the graphs captured next."""

@@ -18,10 +18,10 @@ and the others' apart:
   frames are known), then each stream's source phase carried from one of its calls to the next, then
   the calls of one shape (frames, F0 context, at a stream's start or not) in one pass of their NSF
   sources (each continued from its own stream's: stream.py) and network (on CUDA a graph per shape
-  and lane; a stream's last call, of any length, runs eager); then the cross-fades, a stream's in
-  order (each stream's source noise is its seed's: NsfSource.noise). What is not in a pass goes rank
-  by rank, the k-th calls of every stream at once, so a batch of held chunks launches about what one
-  stream's does (~140 ops for 8 streams' 8 held chunks, not ~1,000 call by call).
+  and lane; a stream's last call where `CodecLanes.warm` made one, else eager); then the cross-fades,
+  a stream's in order (each stream's source noise is its seed's: NsfSource.noise). What is not in a
+  pass goes rank by rank, the k-th calls of every stream at once, so a batch of held chunks launches
+  about what one stream's does (~140 ops for 8 streams' 8 held chunks, not ~1,000 call by call).
 
 Streams never share state, and a call's HiFT gives what it gives alone, so each stream's PCM is what
 it gives alone, up to the rounding of batched arithmetic (tests/test_codec_batch.py)."""
@@ -75,6 +75,7 @@ class CodecBatch:
         self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
         self.slot_count, self.slot_frames, self.base, self.pages = slots, 0, 0, 0
         self.pass_rows = slots  # the most rows a HiFT pass takes (0: all); `CodecLanes.warm`: the rows it made graphs for
+        self.make_last = False  # `CodecLanes.warm`: last calls' HiFT passes captured too (`_graphed`)
         self.frames_a_call: tuple[int, ...] = ()  # with slots: the frames a row a solve takes, fewest first
         self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
         self.slot_of: dict[int, int] = {}  # each stream's slot
@@ -312,7 +313,7 @@ class CodecBatch:
         for idx in self._passes(shapes):
             context, last = shapes[idx[0]][1:]
             fn = functools.partial(self.decoder.hift_f0, context=context)
-            got = self._graphed(("f0", *shapes[idx[0]]), fn, last, torch.stack([xs[i].mel for i in self._rows(idx, last)]))
+            got = self._graphed(("f0", *shapes[idx[0]]), fn, last, torch.stack([xs[i].mel for i in self._rows(idx)]))
             for j, i in enumerate(idx):
                 f0[i] = got[j]
         xs = self._carried([s for s, _, _ in calls], xs, f0)
@@ -320,7 +321,7 @@ class CodecBatch:
         out: list[tuple[Tensor, Tensor]] = [(torch.empty(0), torch.empty(0))] * len(xs)
         for idx in self._passes(shapes):
             _, context, last, fresh = shapes[idx[0]]
-            padded = self._rows(idx, last)
+            padded = self._rows(idx)
             seeds, starts = to_device(xs[idx[0]].mel.device, [[calls[i][0].seed for i in padded], [xs[i].start for i in padded]])
             args = [torch.stack([xs[i].mel for i in padded]), torch.stack([f0[i] for i in padded]), seeds, starts]
             if not fresh:
@@ -370,17 +371,21 @@ class CodecBatch:
         most = self.pass_rows or len(shapes)
         return [idx[a : a + most] for idx in by.values() for a in range(0, len(idx), most)]
 
-    def _rows(self, idx: list[int], last: bool) -> list[int]:
-        """A pass's rows: on CUDA padded to bucket(n) with copies of the last (a last call's pass runs eager)."""
-        n = self.bucket(len(idx)) if self.graphs is not None and not last else len(idx)
+    def _rows(self, idx: list[int]) -> list[int]:
+        """A pass's rows: on CUDA padded to bucket(n) with copies of the last."""
+        n = self.bucket(len(idx)) if self.graphs is not None else len(idx)
         return idx + [idx[-1]] * (n - len(idx))
 
     def _graphed(self, key: tuple, fn: Callable, last: bool, *args: Tensor) -> Any:
-        """fn(*args), on CUDA from a graph per key and lane, its outputs cloned out of the graph's pool;
-        a last call's (its frames vary) eager."""
-        if self.graphs is None or last:
+        """fn(*args), on CUDA from a graph per key and lane, its outputs cloned out of the graph's pool. A last
+        call (one of `chunk` lengths) replays the graph `CodecLanes.warm` made for its shape (`make_last`), else
+        runs eager, never captured mid-serving (eager it held the host ~15 ms, ~80 at a new shape)."""
+        if self.graphs is None:
             return fn(*args)
-        got = self.graphs.call((*key, tuple(args[0].shape), torch.cuda.current_stream(args[0].device).priority), fn, *args)
+        key = (*key, tuple(args[0].shape), torch.cuda.current_stream(args[0].device).priority)
+        if last and not (self.make_last or self.graphs.made(key)):
+            return fn(*args)
+        got = self.graphs.call(key, fn, *args)
         return got.clone() if isinstance(got, Tensor) else tuple(t.clone() for t in got)
 
 

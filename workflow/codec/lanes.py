@@ -67,9 +67,22 @@ class CodecLanes(Lanes):
         reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
         `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
         every later one's, so its shape is its own; with slots, the solve at each of `frames_a_call`, on
-        the urgent lane the fewest only); on the urgent lane the same for up to `few` streams'
-        first two audible pieces (the second goes there too while the first made less than a chunk's
-        audio: serve/scheduler.py). Returns the batches run."""
+        the urgent lane the fewest only) and at a last call after them (for up to `few` streams, at each
+        of the `codes` lengths a last call has: 0 .. codes - 1 codes after the last whole chunk); on the
+        urgent lane the same for up to `few` streams' first two audible pieces (the second goes there too
+        while the first made less than a chunk's audio: serve/scheduler.py). Returns the batches run."""
+        batch = self.batch
+        batch.make_last = True
+        try:
+            calls = self._warm(rows, codes, max_codes, few)
+        finally:
+            batch.make_last = False
+        batch.pass_rows = batch.bucket(rows)  # a HiFT pass of a stream's held calls too: no more rows than made here
+        if self.lanes:
+            torch.cuda.synchronize(self.device)
+        return calls
+
+    def _warm(self, rows: int, codes: int, max_codes: int, few: int) -> int:
         batch, calls = self.batch, 0
         dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
@@ -85,13 +98,12 @@ class CodecLanes(Lanes):
                                 with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
                                     batch.mel([call] * n, finalize=final, solve=q)
                                 calls += 1
-                keys = [batch.new_key() for _ in range(n)]
                 fc = self.first_codes
-                for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
-                    self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
-                    calls += 1
-                self([Piece(s, torch.zeros(0, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
-        batch.pass_rows = batch.bucket(rows)  # a HiFT pass of a stream's held calls too: no more rows than made here
-        if self.lanes:
-            torch.cuda.synchronize(self.device)
+                shapes = codes if n <= few and not urgent and batch.graphs is not None else 1  # none to make on the CPU
+                for left in range(shapes):  # a last piece of `left` codes
+                    keys = [batch.new_key() for _ in range(n)]
+                    for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
+                        self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
+                    self([Piece(s, torch.zeros(left, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
+                    calls += 4
         return calls
