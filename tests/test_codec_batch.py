@@ -273,6 +273,10 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
         load.run_level = real
     assert out["levels"][0]["served"] == out["levels"][0]["requests"] > 0 and not detok.batch.streams
     assert out["levels"][0]["max_streams"] == (slots or cfg.slots)
+    lanes, wall = out["levels"][0]["detokenizer_calls"], out["levels"][0]["wall_s"]  # by lane: a second, a call's
+    assert set(lanes) == {"detokenize", "detokenize first"} and all(1 <= c["streams"] <= c["chunks"] for c in lanes.values())
+    sent = sum(round(c["per_s"] * wall) * c["chunks"] for c in lanes.values())  # every chunk served, in some call
+    assert sent == pytest.approx(sum(len(r.chunk_samples) for r in served))
     assert not detok.batch.slot_of and (not slots or len(detok.batch.slots.free) == slots)
     for req in served:
         assert req.error is None and sum(req.chunk_samples) == len(req.codes) * SPC

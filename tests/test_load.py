@@ -5,6 +5,7 @@ import gc
 import itertools
 import signal
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -194,7 +195,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         s = lv["slow_iterations"]  # the slowest hundredth of its iterations, and what they held
         assert s["n"] == max(1, it["n"] // 100) and s["threshold_ms"] <= s["mean_ms"] <= it["max"]
         assert 0 < s["all_with_prompts"] < 1 and s["all_beside_later"] == s["beside_later"] == 0  # no detokenizer
-        assert lv["anchor_put_off"] == 0  # no detokenizer, no clock anchor
+        assert lv["anchor_put_off"] == 0 and lv["detokenizer_calls"] == {}  # no detokenizer, no clock anchor or calls
         assert lv["graphs_captured"] == {"n": 0, "seconds": 0.0} and lv["alloc_retries"] == s["captured"] == 0  # the CPU
     assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
@@ -263,8 +264,11 @@ def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
 
         def __init__(self) -> None:
             self.codes: dict[int, int] = {}
+            self.calls: dict[str, Counter] = {}  # what it was asked, by lane
 
         def __call__(self, pieces, urgent):
+            lane = self.calls.setdefault("detokenize first" if urgent else "detokenize", Counter())
+            lane.update(calls=1, streams=len({p.stream for p in pieces}), chunks=len(pieces))
             at, samples = now[0] + latency_s * (1 if urgent else 3), []
             for p in pieces:
                 before = self.codes.get(p.stream, 0)
@@ -273,7 +277,7 @@ def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
             return (lambda wait: at if wait or now[0] >= at else None), samples
 
     cfg = ServeConfig(detokenize_hold=8, detokenize_slack_s=0.5, pace=2, max_streams=8, sampling=Sampling())
-    sched = Scheduler(engine, ids, cfg, Detokenizer(), lambda: now[0], torch.Generator().manual_seed(0))
+    sched = Scheduler(engine, ids, cfg, detok := Detokenizer(), lambda: now[0], torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     arrivals = sorted((3 * torch.rand(16, generator=g)).tolist())
     replies = torch.randint(50, 251, (16,), generator=g).tolist()
@@ -293,6 +297,9 @@ def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
     assert sorted(r.rid for r in sched.done) == list(range(16))
     assert all(r.error is None and r.stamped and figures.underruns(r, rate)[0] == 0 for r in reqs)
     assert now[0] < 3 + (20 - 1) / 2 + 1  # the last arrival, then its reply at pace 2 past a 1 s lead
+    assert sched.sent == detok.calls and set(sched.sent) == {"detokenize", "detokenize first"}  # its calls, by lane
+    later = sched.sent["detokenize"]
+    assert later["chunks"] > 2 * later["streams"] > 0  # held: a stream's later chunks go several a call
 
 
 def test_load_config_names_an_unknown_key():

@@ -260,6 +260,10 @@ def run_level(
         "mean_active_slots": active_sum / max(1, len(iters)),
         "iteration_ms": percentiles(step_ms) | {"max": max(step_ms, default=0.0)},
         "slow_iterations": slow_iterations(iters),
+        "detokenizer_calls": {  # by lane: calls a second, the streams and chunks a call took
+            phase: {"per_s": c["calls"] / wall, "streams": c["streams"] / c["calls"], "chunks": c["chunks"] / c["calls"]}
+            for phase, c in sorted(sched.sent.items())
+        },
         "anchor_put_off": getattr(detokenize, "renewals_put_off", 0) - put_off,  # its event behind a lane's work
         "graphs_captured": {"n": waited.captured, "seconds": waited.capture_s},  # mid-level: every stream held
         "alloc_retries": waited.alloc_retries,  # each a device-wide wait (CUDA)

@@ -16,12 +16,10 @@ One thread owns the engine. Each `iterate`:
    failed (non-finite logits), freeing their slots at once;
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
    (`need_text` per slot), each at its own position. With `pace`, not while every stream is ahead:
-   once its first PCM is ready, a stream needs decoding only while the audio its codes make is less
-   than `pace_lead_s` + `pace` x the time since (`Request.decode_due_at`). The engine steps every
-   stream at once, so the stream furthest behind sets the steps' rate (pace x 12.5 a second, and at
-   once while some stream awaits its first audio). A reply made at pace x real time rather than
-   as fast as the device goes keeps its stream open longer, so more streams share each step and
-   each detokenizer call; an open stream holds its slot, and the codec decoder's pages, meanwhile;
+   once its first PCM is ready, a stream needs decoding only while its codes' audio is less than
+   `pace_lead_s` + `pace` x the time since (`Request.decode_due_at`); the stream furthest behind sets
+   the steps' rate. A reply made at pace x real time keeps its stream open longer, so more streams
+   share each step and each detokenizer call (and hold their slots and the codec's pages meanwhile);
 5. while the device decodes, sends the streams' finished chunks (K codes each, the first as many
    as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`: its stream, the
    codes before it, whether it is the last) to the detokenizer, as one batch across streams. The
@@ -35,17 +33,15 @@ One thread owns the engine. Each `iterate`:
    sooner once the first of them would play within that many seconds (its playback counted from
    the stream's first PCM), so that a larger hold cannot starve playback; with `first_audio_first` they
    all wait (but for those due within the slack) while a speaking stream's first PCM is not ready, so
-   that its first chunk does not share the device with them. With `first_chunks_apart`, a
-   stream's chunks go at once, as a batch of their own on the detokenizer's urgent lane, until the
-   PCM its earlier chunks made covers one chunk's audio: time to first audio waits on the first,
-   and while less than a chunk's audio is in hand (the codec decoder's first PCM is 80-400 ms) the
-   next chunk's deadline is nearer than the time it takes to make it; a later chunk has the slack
-   of the audio before it.
+   that its first chunk does not share the device with them. With `first_chunks_apart` a stream's
+   chunks go at once, in a batch of their own on the detokenizer's urgent lane, until its PCM covers
+   one chunk's audio: time to first audio waits on the first, and until then the next chunk's
+   deadline is nearer than its making; a later chunk has the slack of the audio before it.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
-phase (prefill, sampling, decode, detokenizer), and `last` says what the last iteration held (the
-prompts it admitted, the later-chunk batches running as it began), so that the load benchmark can
-say what its slow iterations held.
+phase (prefill, sampling, decode, detokenizer), `sent` counts the detokenizer's calls by lane (and
+the streams and chunks they took), and `last` says what the last iteration held (the prompts it
+admitted, the later-chunk batches running as it began): what the load benchmark reports.
 
 A request the engine cannot take is refused at `submit` with a one-line reason (an id outside
 the vocabularies, a prompt or reply longer than a slot, every slot busy when `when_full` is
@@ -111,6 +107,7 @@ class Scheduler:
         self.outbox: list[tuple[Request, list[int], int, bool]] = []  # chunks made, not yet sent (codes, done, last)
         self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
         self.phases = Phases(dev, clock)
+        self.sent: dict[str, Counter] = {}  # by lane's phase: calls, streams, chunks
         self.last = Iteration()  # what the last iteration held
 
     def submit(self, req: Request) -> bool:
@@ -251,8 +248,10 @@ class Scheduler:
         else:
             lane = getattr(self.detokenize, "lanes", {}).get(urgent)  # its stream, on CUDA
             pieces = [Piece(req.rid, torch.tensor(codes, dtype=torch.long), done, last) for req, codes, done, last in chunks]
-            with self.phases("detokenize first" if urgent else "detokenize", lane):
+            phase = "detokenize first" if urgent else "detokenize"
+            with self.phases(phase, lane):
                 ready, samples = self.detokenize(pieces, urgent)
+            self.sent.setdefault(phase, Counter()).update(calls=1, streams=len({p.stream for p in pieces}), chunks=len(pieces))
         for (req, _, _, _), n in zip(chunks, samples, strict=True):
             req.chunk_samples.append(n)
             req.chunk_sent.append(t)
