@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from workflow import report, traffic
+from workflow import load_report, traffic
 from workflow.cudagraphs import Graphs
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
@@ -64,7 +64,7 @@ def test_slow_iterations_say_what_the_slowest_held_against_all():
     assert got["host_ms"] == {"prefill": 1.0, "sample": 53.0}  # only the phases the slow ones ran
     assert got["pinned_allocs"] == got["gc"] == 0.5 and got["all_pinned_allocs"] == 0.015
     assert got["replay_ms"] == pytest.approx(20.0) and got["all_replay_ms"] == pytest.approx(0.2)  # 40 ms of 200 iterations
-    said = report.slow_line(got, 200)  # the waits in words, between the shares and the host's ms
+    said = load_report.slow_line(got, 200)  # the waits in words, between the shares and the host's ms
     assert "(of all 50 %); 50 % grew CUDA's pinned pool (of all 2 %); 50 % met a full garbage collection; graph" in said
     assert "graph launches 20.0 ms each (of all 0.2); host ms each: sample 53.0" in said
     assert figures.slow_iterations([]) == {}
@@ -207,29 +207,44 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0
     assert 0 <= made["engine_seconds"] <= made["seconds"]  # the engine's graphs' part of it
     cuda = {"engine_graphs": 174, "detokenizer_batches": 261, "seconds": 163.4, "engine_seconds": 61.2, "reserved_bytes": 2**31}
-    said = report._prepared(cuda)  # as a GPU's benchmark.md says it; a file from before engine_seconds without its part
+    said = load_report._prepared(cuda)  # as a GPU's benchmark.md says it; a file from before engine_seconds without its part
     assert "174 engine graphs (61 s) and 261 detokenizer batches in 163 s in all, holding 2.0 GiB more." in said
-    assert "engine graphs and 261" in report._prepared({k: v for k, v in cuda.items() if k != "engine_seconds"})
+    assert "engine graphs and 261" in load_report._prepared({k: v for k, v in cuda.items() if k != "engine_seconds"})
     memory = {"slots": 4, "kv_bytes_per_slot": 1, "max_seq_len": 64}
-    rows = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith(("| closed", "| Poisson"))]
+    rows = [r for r in load_report.load_markdown(out | {"memory": memory}) if r.startswith(("| closed", "| Poisson"))]
     host = [lv["host_busy"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
     assert [r.split(" | ")[8] for r in rows] == [f"{h['decode']:.2f} / {h.get('detokenize', 0.0):.2f}" for h in host]
     slow = [lv["slowest_ttfa_parts_ms"] for lv in sorted(out["levels"], key=lambda lv: (lv["kind"], lv["value"]))]
     assert [r.split(" | ")[11] for r in rows] == [f"{s['queued']:.0f} / {s['first_chunk']:.0f} / 0" for s in slow]
-    lines = [r for r in report.load_markdown(out | {"memory": memory}) if r.startswith("- ")]  # a level's slow iterations
+    lines = [r for r in load_report.load_markdown(out | {"memory": memory}) if r.startswith("- ")]  # a level's slow iterations
     assert [r.split(":")[0] for r in lines] == ["- closed, 1 users", "- closed, 3 users", "- Poisson 2/s"]
     assert all(" % began beside a later codec batch (of all 0 %)" in r and "host ms each: " in r for r in lines)
     assert not any("anchor" in r for r in lines)  # said only where a renewal was put off
     for most, capped in ((out["streams_at_slo"], True), (out["streams_at_slo"] + 4, False)):  # a search stopped at its most
         searched = out | {"memory": memory, "config": out["config"] | {"search_step": 4, "search_max": most}}
-        assert ("the most the search offers" in "\n".join(report.load_markdown(searched))) == capped
+        assert ("the most the search offers" in "\n".join(load_report.load_markdown(searched))) == capped
+    calls = {
+        "detokenize": {"per_s": 5.5, "streams": 2.5, "chunks": 12.0},
+        "detokenize first": {"per_s": 2.0, "streams": 1.0, "chunks": 1.0},
+    }
+    lines = [
+        r
+        for r in load_report.load_markdown(
+            out | {"levels": [lv | {"detokenizer_calls": calls} for lv in out["levels"]], "memory": memory}
+        )
+        if r.startswith("- ")
+    ]
+    assert all(
+        r.endswith("; detokenizer calls: 2.0/s first of 1.0 streams, 1.0 chunks, 5.5/s later of 2.5 streams, 12.0 chunks")
+        for r in lines
+    )
     put_off = [lv | {"anchor_put_off": 3} if lv["value"] == 3 else lv for lv in out["levels"]]
-    lines = [r for r in report.load_markdown(out | {"levels": put_off, "memory": memory}) if r.startswith("- ")]
+    lines = [r for r in load_report.load_markdown(out | {"levels": put_off, "memory": memory}) if r.startswith("- ")]
     assert [r.endswith("anchor put off 3 times (its event queued behind a lane's work)") for r in lines] == [False, True, False]
     made = {"graphs_captured": {"n": 2, "seconds": 0.31}, "alloc_retries": 4}  # the Poisson level's, its slow half capturing
     held = [lv | made | {"slow_iterations": lv["slow_iterations"] | {"captured": 0.5}} if lv["kind"] == "open" else lv
             for lv in out["levels"]]  # fmt: skip
-    lines = [r for r in report.load_markdown(out | {"levels": held, "memory": memory}) if r.startswith("- ")]
+    lines = [r for r in load_report.load_markdown(out | {"levels": held, "memory": memory}) if r.startswith("- ")]
     said = "; 2 CUDA graphs captured mid-level (0.31 s), in 50 % of these; the allocator's retries: 4 (each a wait for the whole"
     assert [r.endswith(said + " device)") for r in lines] == [False, False, True]
 
