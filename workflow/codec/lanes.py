@@ -99,8 +99,8 @@ class CodecLanes(Lanes):
                                     batch.mel([call] * n, finalize=final, solve=q)
                                 calls += 1
                 fc = self.first_codes
-                shapes = codes if n <= few and not urgent and batch.graphs is not None else 1  # none to make on the CPU
-                for left in range(shapes):  # a last piece of `left` codes
+                lasts = codes if n <= few and not urgent and batch.graphs is not None else 1  # last calls to make (the CPU: none)
+                for left in range(lasts):  # a last piece of `left` codes
                     keys = [batch.new_key() for _ in range(n)]
                     for done, k in ((0, fc), (fc, codes), (fc + codes, codes)):
                         self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
