@@ -67,10 +67,12 @@ class CodecLanes(Lanes):
         reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
         `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
         every later one's, so its shape is its own; with slots, the solve at each of `frames_a_call`, on
-        the urgent lane the fewest only) and at a last call after them (for up to `few` streams, at each
-        of the `codes` lengths a last call has: 0 .. codes - 1 codes after the last whole chunk); on the
-        urgent lane the same for up to `few` streams' first two audible pieces (the second goes there too
-        while the first made less than a chunk's audio: serve/scheduler.py). Returns the batches run."""
+        the urgent lane the fewest only) and at a last call after them (with graphs, for up to `few`
+        streams, at each of the `codes` lengths a last call has: 0 .. codes - 1 codes after the last whole
+        chunk); on the urgent lane the same for up to `few` streams' first two audible pieces (the second
+        goes there too while the first made less than a chunk's audio: serve/scheduler.py), its last call
+        at one length only (a reply that ends there is short: its last call's context is its own).
+        Returns the batches run."""
         batch = self.batch
         batch.make_last = True
         try:
