@@ -217,6 +217,33 @@ def test_a_last_call_replays_what_warm_made_for_its_shape_and_runs_eager_where_i
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+def test_more_streams_ending_at_once_than_warm_made_last_calls_for_replay_what_it_made(decoder, voice, monkeypatch):
+    """Five streams end in one batch where `CodecLanes.warm` made streams' ends (the flow's last solve and
+    HiFT's last passes) for up to two rows: they go in passes of at most two, each replaying a graph warm
+    made (graphs stood in for on the CPU), none captured while serving; each stream's PCM is its own alone."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Lane", (), {"priority": -1})())
+    batch = CodecBatch(decoder, voice, bucket=lambda n: 2 if n <= 2 else 6, slots=6, max_codes=20)
+    batch.graphs = graphs = GraphCalls()  # type: ignore[assignment]
+    lanes = CodecLanes(batch, torch.device("cpu"), time.perf_counter)
+    lanes.warm(5, 5, 20, few=2)
+    assert batch.last_rows == 2 and batch.pass_rows == 6
+    made = set(graphs.keys)
+    g = torch.Generator().manual_seed(4)
+    codes = {k: torch.randint(0, 1000, (18,), generator=g) for k in range(1, 6)}
+    pcm: dict[int, list[torch.Tensor]] = {k: [] for k in codes}
+    for done, n in ((0, 6), (6, 5), (11, 5), (16, 2)):
+        start = len(graphs.keys)
+        pieces = [Piece(k, c[done : done + n], done, done + n == len(c)) for k, c in codes.items()]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+    ends = graphs.keys[start:]  # the last batch's: its flow's last solves, then HiFT's F0 and network passes
+    assert set(graphs.keys) <= made  # nothing captured while serving
+    assert [k[0] for k in ends] == ["slots"] * 3 + ["f0"] * 3 + ["hift"] * 3  # 5 rows as 2 + 2 + 1, each replayed
+    assert all((k[1] if k[0] == "slots" else k[-2])[0] == 2 for k in ends)  # each padded to the 2 rows warm made
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
 def test_first_codes_follow_the_prompt_and_the_lookahead(decoder, voice):
     """The first PCM needs the first hop and the lookahead: for a 7-code prompt the 3 codes that end its last
     chunk (their 12 frames outnumber the 8 held back for the cross-fade), then 3: 6 codes, PCM of 4 frames."""

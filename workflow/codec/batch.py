@@ -76,6 +76,7 @@ class CodecBatch:
         self.slot_count, self.slot_frames, self.base, self.pages = slots, 0, 0, 0
         self.pass_rows = slots  # the most rows a HiFT pass takes (0: all); `CodecLanes.warm`: the rows it made graphs for
         self.make_last = False  # `CodecLanes.warm`: last calls' HiFT passes captured too (`_graphed`)
+        self.last_rows = 0  # the most rows a last call's flow or HiFT pass takes (0: as any other's); `warm`: its `few`
         self.frames_a_call: tuple[int, ...] = ()  # with slots: the frames a row a solve takes, fewest first
         self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
         self.slot_of: dict[int, int] = {}  # each stream's slot
@@ -162,13 +163,13 @@ class CodecBatch:
                 now = [(k, js[r]) for k, js in jobs.items() if r < len(js) and js[r][0].finalize == finalize]
                 for slotted in (True, False):
                     batch = [(k, job) for k, job in now if (k in self.slot_of) == slotted]
-                    if not batch:
-                        continue
-                    got = self.mel([call for _, (call, _) in batch], finalize, [k for k, _ in batch])
-                    for (_, (_, parts)), m in zip(batch, got, strict=True):
-                        for i, n in parts:  # the frames each call keeps, in order
-                            mels[i].append(due[i][0].keep(m[:, :n]))
-                            m = m[:, n:]
+                    most = (self.last_rows if finalize else 0) or len(batch) or 1  # streams' ends: as warm made them
+                    for part in (batch[a : a + most] for a in range(0, len(batch), most)):
+                        got = self.mel([call for _, (call, _) in part], finalize, [k for k, _ in part])
+                        for (_, (_, parts)), m in zip(part, got, strict=True):
+                            for i, n in parts:  # the frames each call keeps, in order
+                                mels[i].append(due[i][0].keep(m[:, :n]))
+                                m = m[:, n:]
         for p in pieces:
             if p.last:
                 self.end(p.stream)
@@ -296,9 +297,9 @@ class CodecBatch:
         phase is then carried from one of its calls to the next (a running sum of that F0), and every
         call's NSF source (each continued from its own stream's) and network run at once: a stream's held
         chunks cost one pass, not one a chunk, and each call gives what it gives alone. Calls of one shape
-        (frames, F0 context, at a stream's start or not) go together, at most `pass_rows` a pass (the
-        most `lanes.CodecLanes.warm` makes graphs for), each a graph on CUDA (a last call, of any
-        length, eager); then every call's cross-fade (`settle_all`). Each call's final PCM, in parts."""
+        (frames, F0 context, last or not, at a stream's start or not) go together, at most `pass_rows` a
+        pass, a last call's `last_rows` (the most `lanes.CodecLanes.warm` makes graphs for), each a graph
+        on CUDA (`_graphed`); then every call's cross-fade (`settle_all`). Each call's final PCM, in parts."""
         news: dict[int, list[Tensor]] = {}  # each stream's new frames here, in order
         for s, m, _ in calls:
             news.setdefault(id(s), [s.mel_tail]).append(m)
@@ -364,12 +365,13 @@ class CodecBatch:
         return xs
 
     def _passes(self, shapes: list[tuple]) -> list[list[int]]:
-        """The calls of each shape, in passes of at most `pass_rows` rows."""
+        """The calls of each shape (frames, context, last, ...), in passes of at most `pass_rows` rows, a
+        last call's of at most `last_rows`."""
         by: dict[tuple, list[int]] = {}
         for i, shape in enumerate(shapes):
             by.setdefault(shape, []).append(i)
-        most = self.pass_rows or len(shapes)
-        return [idx[a : a + most] for idx in by.values() for a in range(0, len(idx), most)]
+        most = {s: (self.last_rows if s[2] else 0) or self.pass_rows or len(shapes) for s in by}
+        return [idx[a : a + most[s]] for s, idx in by.items() for a in range(0, len(idx), most[s])]
 
     def _rows(self, idx: list[int]) -> list[int]:
         """A pass's rows: on CUDA padded to bucket(n) with copies of the last."""

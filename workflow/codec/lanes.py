@@ -71,7 +71,8 @@ class CodecLanes(Lanes):
         streams, at each of the `codes` lengths a last call has: 0 .. codes - 1 codes after the last whole
         chunk); on the urgent lane the same for up to `few` streams' first two audible pieces (the second
         goes there too while the first made less than a chunk's audio: serve/scheduler.py), its last call
-        at one length only (a reply that ends there is short: its last call's context is its own).
+        at one length only (a reply that ends there is short: its last call's context is its own). More
+        streams ending in one batch than `few` go in passes of no more (`CodecBatch.last_rows`).
         Returns the batches run."""
         batch = self.batch
         batch.make_last = True
@@ -80,6 +81,8 @@ class CodecLanes(Lanes):
         finally:
             batch.make_last = False
         batch.pass_rows = batch.bucket(rows)  # a HiFT pass of a stream's held calls too: no more rows than made here
+        # streams' ends in passes of the most rows made for them (more ending at once would capture mid-serving)
+        batch.last_rows = max((b for b in {batch.bucket(i) for i in range(1, rows + 1)} if b <= few), default=0)
         if self.lanes:
             torch.cuda.synchronize(self.device)
         return calls
