@@ -1,6 +1,8 @@
 """Serving: the scheduler's chunks to the detokenizer (when they go, held, urgent, last), pace, and
 the streams it keeps open for the detokenizer; on the CPU, the tiny engine."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -149,6 +151,48 @@ def test_a_speaking_streams_later_chunks_wait_until_hold_of_them_do(tiny_engine_
     assert req.error is None and req.stamped and req.chunk_codes == [4, 4, 4, 4, 4, 2]
     later = [[4], [8], [12], [16], [20]] if hold == 1 else [[4, 8, 12], [16, 20]]
     assert sent == [([0], True)] + [(d, False) for d in later]
+
+
+def test_a_stream_with_join_chunks_waiting_goes_along_with_a_batch_that_goes_anyway(tiny_engine_dir):
+    """`detokenize_join`: stream 1 starts two chunks after stream 0, so with a hold of 4 their later
+    batches fall apart, one stream each. With a join of 2, stream 1's 2-3 waiting chunks go along with
+    stream 0's batch, and the two streams' batches fall together: fewer, wider calls. Every chunk
+    goes once, in order."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+
+    def later_batches(join: int) -> list[dict[int, int]]:
+        sent: list[dict[int, int]] = []  # each later batch: {stream: its chunks}
+        done: dict[int, list[int]] = {0: [], 1: []}
+
+        def detokenize(pieces, urgent):
+            if not urgent:
+                sent.append(dict(Counter(p.stream for p in pieces)))
+            for p in pieces:
+                done[p.stream].append(p.done)
+            return (lambda wait: 1.0), [len(p.codes) for p in pieces]
+
+        cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, detokenize_hold=4, detokenize_join=join,
+                          sampling=Sampling(greedy=True))  # fmt: skip
+        sched = Scheduler(engine, ids, cfg, detokenize=detokenize)
+        reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=3 + i)[0], max_steps=48, reply_codes=48) for i in range(2)]
+        sched.submit(reqs[0])
+        for _ in range(8):  # stream 0 two chunks ahead
+            sched.iterate()
+        sched.submit(reqs[1])
+        while not sched.idle():
+            sched.iterate()
+        sched.flush()
+        for req in reqs:
+            assert req.error is None and req.stamped and done[req.rid] == list(range(0, 48, 4)), (join, req.rid)
+        return sent
+
+    apart, together = later_batches(0), later_batches(2)
+    assert all(len(b) == 1 and max(b.values()) == 4 for b in apart[:-2]), apart  # one stream each (but the ends)
+    assert len(together) < len(apart) and any(len(b) == 2 and min(b.values()) < 4 for b in together), together
+    assert sum(len(b) == 2 for b in together) >= 2  # once joined, their batches keep falling together
+    with pytest.raises(ValueError, match="detokenize_join 4 is not under detokenize_hold 4"):
+        ServeConfig(detokenize_hold=4, detokenize_join=4)
 
 
 @pytest.mark.parametrize("slack", [0.0, 0.3])

@@ -40,6 +40,19 @@ class Request:
     error: str | None = None  # refused, cancelled, or failed; None: served
     finished: bool = False
 
+    def fault(self, vocab: int, audio_vocab: int, max_seq_len: int) -> str | None:
+        """Why an engine of these vocabularies and slot length cannot take this request (None: it can)."""
+        t = self.prompt.shape[0]
+        if self.prompt.ndim != 2 or self.prompt.shape[1] != 2 or t == 0:
+            return f"a prompt is [T, 2] (text id, audio id), not {list(self.prompt.shape)}"
+        for channel, size, name in ((0, vocab, "text"), (1, audio_vocab, "audio")):
+            bad = self.prompt[:, channel][(self.prompt[:, channel] < 0) | (self.prompt[:, channel] >= size)]
+            if bad.numel():
+                return f"{name} id {int(bad[0])} is outside the {name} vocabulary (0..{size - 1})"
+        if t + self.max_steps > max_seq_len:
+            return f"prompt {t} + reply {self.max_steps} positions exceed a slot's {max_seq_len}"
+        return None
+
     def _first_audible(self) -> int | None:
         """The first chunk with PCM (a detokenizer with lookahead gives none for the first codes), once
         its ready time is known; None before."""
@@ -91,6 +104,7 @@ class ServeConfig:
     detokenize_batches: int = 2  # detokenizer batches running at once; later chunks wait, then go together
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds
+    detokenize_join: int = 0  # > 0: one with this many waiting goes along with a batch of later chunks that goes anyway
     first_audio_first: bool = False  # speaking streams' later chunks wait while one awaits its first audio (slack: above)
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
     max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
@@ -101,5 +115,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.first_audio_first and not self.detokenize_slack_s:
             raise ValueError("first_audio_first needs detokenize_slack_s > 0: the later chunks it holds go once due within it")
+        if self.detokenize_join and self.detokenize_join >= self.detokenize_hold:
+            raise ValueError(f"detokenize_join {self.detokenize_join} is not under detokenize_hold {self.detokenize_hold}: "
+                             "a stream with that many chunks waiting goes on its own")  # fmt: skip
         if 0 < self.pace < 1:
             raise ValueError(f"pace {self.pace:g} is under 1: a stream made slower than it plays runs out; use 0 (off) or >= 1")

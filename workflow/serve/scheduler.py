@@ -31,7 +31,9 @@ One thread owns the engine. Each `iterate`:
    until that many do: the codec decoder decodes them in one flow call for nearly the cost of one,
    and a stream far ahead of its playback can afford the wait; with `detokenize_slack_s` they go
    sooner once the first of them would play within that many seconds (its playback counted from
-   the stream's first PCM), so that a larger hold cannot starve playback; with `first_audio_first` they
+   the stream's first PCM), so that a larger hold cannot starve playback; with `detokenize_join` a
+   stream with that many waiting goes along with a batch that goes anyway (streams' calls fall
+   together: fewer, wider ones); with `first_audio_first` they
    all wait (but for those due within the slack) while a speaking stream's first PCM is not ready, so
    that its first chunk does not share the device with them. With `first_chunks_apart` a stream's
    chunks go at once, in a batch of their own on the detokenizer's urgent lane, until its PCM covers
@@ -121,15 +123,8 @@ class Scheduler:
         return True
 
     def _refusal(self, req: Request) -> str | None:
-        spec, t = self.engine.spec, req.prompt.shape[0]
-        if req.prompt.ndim != 2 or req.prompt.shape[1] != 2 or t == 0:
-            return f"a prompt is [T, 2] (text id, audio id), not {list(req.prompt.shape)}"
-        for channel, size, name in ((0, spec.vocab_size, "text"), (1, spec.audio_vocab_size, "audio")):
-            bad = req.prompt[:, channel][(req.prompt[:, channel] < 0) | (req.prompt[:, channel] >= size)]
-            if bad.numel():
-                return f"{name} id {int(bad[0])} is outside the {name} vocabulary (0..{size - 1})"
-        if t + req.max_steps > self.engine.max_seq_len:
-            return f"prompt {t} + reply {req.max_steps} positions exceed a slot's {self.engine.max_seq_len}"
+        if why := req.fault(self.engine.spec.vocab_size, self.engine.spec.audio_vocab_size, self.engine.max_seq_len):
+            return why
         if not self._holds([req]):
             return f"a reply of {req.max_steps} codes is more than the detokenizer's flow slots hold"
         waiting = [*self._open_requests(), *self.queue, req]
@@ -206,16 +201,19 @@ class Scheduler:
     def _send(self, due: bool, hold: bool = True) -> None:
         """The chunks of streams that have less than a chunk's audio made at once, on the urgent lane
         (`first_chunks_apart`); every other waiting chunk in one batch, if `due`, but a speaking
-        stream's only once `detokenize_hold` of them wait (hold: False sends them all)."""
+        stream's only once `detokenize_hold` of them wait, or `detokenize_join` beside others that go
+        (hold: False sends them all)."""
         if self.cfg.first_chunks_apart:
             self._send_where(lambda req: sum(req.chunk_samples) < self.chunk_audio, urgent=True)
         if due:
             waiting = Counter(c[0].rid for c in self.outbox)
             speaking = {r.rid for r in self.streams.values()} if hold else set()
             held = self.cfg.detokenize_hold if not self._first_audio_waits() else None  # None: only those due soon go
+            join = self.cfg.detokenize_join if held is not None else 0
             self._send_where(
                 lambda req: req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or self._due_soon(req),
                 urgent=False,
+                joins=lambda req: 0 < join <= waiting[req.rid],
             )
 
     def _first_audio_waits(self) -> bool:
@@ -231,10 +229,13 @@ class Scheduler:
         start = req.playback_start
         return (now if start is None else start) + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
 
-    def _send_where(self, goes: Callable[[Request], bool], urgent: bool) -> None:
-        """The waiting chunks whose request `goes`, in one batch; the rest keep waiting. `goes` is asked
-        once a request: it may read the clock, and a request's chunks must go together and in order."""
-        going = {rid for rid, req in {c[0].rid: c[0] for c in self.outbox}.items() if goes(req)}
+    def _send_where(self, goes: Callable[[Request], bool], urgent: bool, joins: Callable[[Request], bool] | None = None) -> None:
+        """The waiting chunks whose request `goes`, and where any go those whose request `joins`, in one batch;
+        the rest wait. Each asked once a request (`goes` may read the clock): its chunks go together, in order."""
+        reqs = {c[0].rid: c[0] for c in self.outbox}
+        going = {rid for rid, req in reqs.items() if goes(req)}
+        if going and joins is not None:
+            going |= {rid for rid, req in reqs.items() if joins(req)}
         if going:
             go = [c for c in self.outbox if c[0].rid in going]
             self.outbox = [c for c in self.outbox if c[0].rid not in going]
