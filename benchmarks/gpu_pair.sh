@@ -24,7 +24,8 @@
 # 1,800; H200 run 12 (bf16's benchmark 466 s, FP8's 359 s; a probe beside each of calls 3 and 4):
 # 212 / 353 / 472 / 501 s, held 1,646 s; H200 run 13 (the GEMV tuned at 5 row counts, no probe): 186 / 360 / 457 / 347 s,
 # held 1,425 s; H200 run 14 (the codec's CUDA tests after FP8's verify in call 3): 202 / 424 / 490 s; H200
-# run 15: 240 / 434 s, then the two-GPU machine was taken back (and no longer lent): a run may be lost so too. Download and convert (~100 s) are a call of their own because bf16's
+# run 15: 240 / 434 s, then the two-GPU machine was taken back (and no longer lent): a run may be lost so too;
+# H200 run 16: 231 / 437 s, then call 3, made within seconds, met a fresh machine. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
 # near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Tuning at 8 and 16 rows
 # too (blocks.ROWS) adds ~25-35 s to a build on an H100 (levers.md, probe 36). Each side's output is
