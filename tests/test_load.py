@@ -322,6 +322,15 @@ def test_load_config_names_an_unknown_key():
         load.LoadConfig.from_dict({"closed": [4], "users": 3})
 
 
+def test_load_config_refuses_the_schedulers_bad_settings_as_it_is_read():
+    """A setting the scheduler refuses is refused as the benchmark reads it, not minutes later at its first level."""
+    with pytest.raises(ValueError, match=r"benchmark\.load: detokenize_join 3 is not under detokenize_hold 3"):
+        load.LoadConfig.from_dict({"detokenize_hold": 3, "detokenize_join": 3})
+    with pytest.raises(ValueError, match=r"benchmark\.load: first_audio_first needs detokenize_slack_s"):
+        load.LoadConfig.from_dict({"first_audio_first": True})
+    assert load.LoadConfig.from_dict({"detokenize_hold": 8, "detokenize_join": 4}).detokenize_join == 4
+
+
 def test_every_scheduler_setting_of_the_load_reaches_the_scheduler():
     """Each setting the load and the scheduler both name, set off its default, arrives as set; the
     load's slots are the scheduler's max_streams."""

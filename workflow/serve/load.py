@@ -92,7 +92,12 @@ class LoadConfig:
         if unknown:
             raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
         tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
-        return cls(**(d | tuples))
+        cfg = cls(**(d | tuples))
+        try:  # the scheduler's settings refused as the benchmark starts, not at its first level
+            cfg.serve_config(1, Sampling())
+        except ValueError as e:
+            raise ValueError(f"benchmark.load: {e}") from None
+        return cfg
 
 
 def holds(level: dict, slo_ms: float) -> bool:
