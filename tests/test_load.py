@@ -178,6 +178,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     cfg = load.LoadConfig(closed=(1, 3), rates=(2.0,), duration_s=1.5, reply_seconds=(0.4, 1.2), prompt_len=24, slots=4)
     out = load.run(engine, None, __import__("time").perf_counter, cfg, ids, 5, Sampling())
     assert [(lv["kind"], lv["value"]) for lv in out["levels"]] == [("closed", 1), ("closed", 3), ("open", 2.0)]
+    assert out["prepared"]["frozen_objects"] > 1000 and gc.get_freeze_count() == 0  # frozen for the levels only
     for lv in out["levels"]:
         assert lv["served"] == lv["requests"] > 0 and lv["failed"] == lv["refused"] == 0
         assert 0 < lv["ttfa_ms"]["p50"] <= lv["ttfa_ms"]["p99"] and 0 < lv["busy_fraction"] <= 1

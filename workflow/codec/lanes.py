@@ -81,8 +81,8 @@ class CodecLanes(Lanes):
         finally:
             batch.make_last = False
         batch.pass_rows = batch.bucket(rows)  # a HiFT pass of a stream's held calls too: no more rows than made here
-        # streams' ends in passes of the most rows made for them (more ending at once would capture mid-serving)
-        batch.last_rows = max((b for b in {batch.bucket(i) for i in range(1, rows + 1)} if b <= few), default=0)
+        if batch.graphs is not None:  # streams' ends in passes of the most rows made for them (more would capture)
+            batch.last_rows = max((b for b in {batch.bucket(i) for i in range(1, rows + 1)} if b <= few), default=0)
         if self.lanes:
             torch.cuda.synchronize(self.device)
         return calls

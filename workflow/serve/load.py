@@ -288,8 +288,8 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     """Before any level: the engine's decode and admission graphs for every shape the levels can
     meet, and the detokenizer's for every batch (where they have them), so that no stream
     stalls while one is captured or compiled mid-level. Then every object so far is frozen out of
-    Python's garbage collector (gc.freeze): a full collection walked ~0.8 M of them, ~400 ms of the
-    loop's thread, on an H200's host (levers.md, "H200 detokenizer host"). Returns what it made, how
+    Python's garbage collector (gc.freeze, until `run` ends): a full collection walked ~0.8 M of them,
+    ~400 ms of the loop's thread, on an H200's host (levers.md, "H200 detokenizer host"). Returns what it made, how
     long it took, the objects frozen and (CUDA) the device memory it left reserved: the graphs' pools,
     mostly."""
     t0, graphs, calls = time.perf_counter(), 0, 0
@@ -308,7 +308,7 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
         print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
     grown = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
     gc.collect()
-    gc.freeze()  # what exists now stays for the process's life: Python's full collections walk only what comes after
+    gc.freeze()  # Python's full collections walk only what comes after (`run` unfreezes it)
     return {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
             "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count()}  # fmt: skip
 
@@ -322,7 +322,18 @@ def run(
     chunk_tokens: int,
     sampling: Sampling,
 ) -> dict:
-    """Every level, one after another; the answer and one stream's timeline."""
+    """Every level, one after another; the answer and one stream's timeline. What `prepare` froze out of
+    the garbage collector's walks is unfrozen as it ends."""
+    try:
+        return _levels(engine, detokenize, clock, cfg, ids, chunk_tokens, sampling)
+    finally:
+        gc.unfreeze()
+
+
+def _levels(
+    engine: Engine, detokenize: Detokenize | None, clock: Callable[[], float], cfg: LoadConfig, ids: Ids,
+    chunk_tokens: int, sampling: Sampling,
+) -> dict:  # fmt: skip
     levels, example = [], None
     made = prepare(engine, detokenize, cfg, chunk_tokens)
     if cfg.warmup_s and cfg.closed:
