@@ -10,9 +10,11 @@
 #
 # On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (24 flow slots, 360 s of pages: they do not fit
 # an H100, so ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card), and
-# MOSSBUILD_STAGE_S=590 before calls 3 and 4: graphs for 24 streams and the search's larger levels take
-# longer than H100 run 20's benchmarks (bf16 ~420 s, FP8 ~360 s of the 560 s stage). H200 run 11's bf16
-# benchmark passed 32 users and searched on (64, then 48) past its 575 s: h200.yaml's search now stops at 48.
+# MOSSBUILD_STAGE_S=575 before call 3 and, before call 4, what the session's device time has left (H200 run
+# 17: 480, FP8's benchmark 351 s): graphs for 24 streams and the search's larger levels take longer than H100
+# run 20's benchmarks (bf16 ~420 s, FP8 ~360 s of the 560 s stage). bf16's search to 64 users (64, 48, 40)
+# took 508 s of call 3's 575 in H200 run 17; FP8 held 64 there, so h200.yaml's search now goes on to 128
+# (two or three more levels, ~15-40 s each, in call 4).
 #
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
@@ -25,7 +27,8 @@
 # 212 / 353 / 472 / 501 s, held 1,646 s; H200 run 13 (the GEMV tuned at 5 row counts, no probe): 186 / 360 / 457 / 347 s,
 # held 1,425 s; H200 run 14 (the codec's CUDA tests after FP8's verify in call 3): 202 / 424 / 490 s; H200
 # run 15: 240 / 434 s, then the two-GPU machine was taken back (and no longer lent): a run may be lost so too;
-# H200 run 16: 231 / 437 s, then call 3, made within seconds, met a fresh machine. Download and convert (~100 s) are a call of their own because bf16's
+# H200 run 16: 231 / 437 s, then call 3, made within seconds, met a fresh machine; H200 run 17 (search to 64, a probe beside call 4
+# with MOSSBUILD_STAGE_S=480): 256 / 451 / 514 / 357 s, held 1,654 s. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
 # near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Tuning at 8 and 16 rows
 # too (blocks.ROWS) adds ~25-35 s to a build on an H100 (levers.md, probe 36). Each side's output is
