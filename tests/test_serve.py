@@ -114,17 +114,20 @@ def test_slots_bookkeeping_refuses_what_it_cannot_do():
             slots.admit(bad, 4)
     with pytest.raises(ValueError, match="does not fit a slot of 8"):
         slots.admit([1], 9)
-    with pytest.raises(ValueError, match="not the active ones"):
-        slots.rows([2])
-    assert slots.rows([0, 2]) == [1, 0]
-    assert slots.release([2]) == [(1, 0)]  # the last row moves into the freed one
-    assert slots.row_of == {0: 0} and slots.length == [5]
+    for bad in ([1], [0, 0]):
+        with pytest.raises(ValueError, match="not distinct active ones"):
+            slots.rows(bad)
+    assert slots.rows([0, 2]) == [1, 0] and slots.rows([0]) == [1]
+    slots.stepped([1], filled=[1])
+    assert slots.front([2]) == [] and slots.front([0]) == [(0, 1)]  # slot 0's row to the front
+    assert slots.row_of == {0: 0, 2: 1} and slots.length == [6, 5] and slots.filled == [6, 5]
+    assert slots.release([2]) == []  # the last row: nothing moves
+    assert slots.row_of == {0: 0} and slots.length == [6]
     with pytest.raises(ValueError, match="hold no stream"):
         slots.release([2])
-    slots.stepped(filled=False)
-    slots.stepped(filled=False)
-    slots.stepped(filled=False)
-    assert slots.length == [8] and slots.filled == [5]
+    slots.stepped([0])
+    slots.stepped([0])
+    assert slots.length == [8] and slots.filled == [6]
     with pytest.raises(ValueError, match="reached the engine's max_seq_len 8"):
         slots.rows([0])
     assert [batch_bucket(n, 256) for n in (1, 2, 3, 4, 5, 7, 9, 13, 100, 200)] == [1, 2, 3, 4, 6, 8, 12, 16, 128, 256]

@@ -8,7 +8,9 @@ nowhere in the lockstep checks, where every row has the same length.
 The plan (`plan`): sequence i prefills its first `prompt_len[i]` positions, then feeds the rest
 one decode step at a time, and leaves after its last. A new sequence is admitted whenever a slot
 is free, at most one a step, so sequences start at different steps, slots are reused, and rows
-move as others leave. Each step asks for text logits per slot where that slot's next token is a
+move as others leave. Every third step of a sequence's slot it sits out while another steps (as
+serving's paced streams do), so steps of some of the slots, and the rows moved for them, are
+checked too. Each step asks for text logits per slot where that slot's next token is a
 text one, as the serving loop does.
 """
 
@@ -52,6 +54,7 @@ def run(engine: Engine, seqs: torch.Tensor, p: Plan, ids: Ids) -> list[Logits]:
     fed = [0] * len(seqs)  # positions fed so far
     slot_of: dict[int, int] = {}  # sequence -> slot
     waiting = list(range(len(seqs)))
+    steps = 0
     while waiting or slot_of:
         free = [s for s in range(engine.max_batch) if s not in slot_of.values()]
         if waiting and free:
@@ -66,6 +69,9 @@ def run(engine: Engine, seqs: torch.Tensor, p: Plan, ids: Ids) -> list[Logits]:
             engine.release([slot_of.pop(i) for i in leaving])
         if not going:
             continue
+        steps += 1
+        resting = [i for i in going if (slot_of[i] + steps) % 3 == 0]
+        going = [i for i in going if i not in resting] or going
         need = [not bool(mode[i, fed[i]]) for i in going]  # the token after the one fed is a text one
         tokens = torch.stack([seqs[i, fed[i]] for i in going])
         text, audio = engine.step([slot_of[i] for i in going], tokens, need)

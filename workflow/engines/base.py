@@ -7,8 +7,9 @@ audio branch: distinct layers) and answers:
     step(slots, tokens [B, 2], need_text) -> (text_logits | None, audio_logits)  one position each
     release(slots)                                                        their streams end
 
-admit prefills the new streams while the other slots keep their caches; step advances every
-active slot at once, each at its own position (lengths are ragged: each slot attends to its own
+admit prefills the new streams while the other slots keep their caches; step advances the
+active slots it is given (any of them; the others keep their caches and positions) at once,
+each at its own position (lengths are ragged: each slot attends to its own
 history only); logits come in the order of `slots`. need_text says, per slot, whether its next
 token is sampled in text mode: in audio mode the text logits are never read (FACTS.md section 1).
 When no slot needs them the engine may skip the text head (a 151 k x 4 k weight read) and return
@@ -67,7 +68,7 @@ class Engine(ABC):
     def step(
         self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool | Sequence[bool] = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One decode step [B, 2] for every active slot (`slots` lists them all, in the order of
+        """One decode step [B, 2] for these active slots (any of them, each once, in the order of
         the rows of tokens and of the logits). need_text: per slot, or one for all; text logits
         None when no slot needs them."""
 

@@ -1,12 +1,14 @@
 """Which KV-cache rows hold which streams: an engine's slots, kept packed.
 
 A stream is admitted into a free slot (an id the caller holds, 0..max_batch-1) and lives in a
-row of the engine's caches. Rows 0..n-1 are the active ones, always: a decode step runs rows
-0..n-1 (a plain slice of every cache, one CUDA graph per row-count bucket), and a released row is
+row of the engine's caches. Rows 0..n-1 are the active ones, always, and a released row is
 refilled by moving the last active row into it (`release` says which moves to make; the engine
-copies that row's caches, or its block table). Each row keeps its own length (positions cached)
-and how many of them the text branch has filled (`defer_text_fill`). Both backends use this
-bookkeeping; it checks every request against it and answers a ValueError in one line.
+copies that row's caches, or its block table). A decode step of k of them runs rows 0..k-1 (a
+plain slice of every cache, one CUDA graph per row-count bucket): `front` says which rows to swap
+so that the slots stepped hold those rows; a set that stays the same needs none. Each row keeps
+its own length (positions cached) and how many of them the text branch has filled
+(`defer_text_fill`). Both backends use this bookkeeping; it checks every request against it and
+answers a ValueError in one line.
 """
 
 from __future__ import annotations
@@ -51,19 +53,33 @@ class Slots:
         return rows
 
     def rows(self, slots: Sequence[int]) -> list[int]:
-        """The rows of a decode step's slots, in the caller's order: every active slot, once."""
-        if sorted(slots) != sorted(self.slot_at):
-            raise ValueError(f"step: slots {sorted(slots)} are not the active ones {sorted(self.slot_at)}")
+        """The rows of a decode step's slots, in the caller's order: active slots, each once."""
+        if len(set(slots)) != len(slots) or not set(slots) <= set(self.row_of):
+            raise ValueError(f"step: slots {list(slots)} are not distinct active ones {sorted(self.slot_at)}")
         full = [s for s in slots if self.length[self.row_of[s]] >= self.max_seq_len]
         if full:
             raise ValueError(f"step: slot(s) {full} reached the engine's max_seq_len {self.max_seq_len}")
         return [self.row_of[s] for s in slots]
 
-    def stepped(self, filled: bool) -> None:
-        """Every active row gained a position; filled: the text branch filled it too."""
-        self.length = [n + 1 for n in self.length]
-        if filled:
-            self.filled = list(self.length)
+    def front(self, slots: Sequence[int]) -> list[tuple[int, int]]:
+        """The swaps of rows, to be made in order, that put these active slots in rows 0..k-1."""
+        k, swaps = len(slots), []
+        outside = [self.row_of[s] for s in slots if self.row_of[s] >= k]
+        inside = [r for r in range(k) if self.slot_at[r] not in set(slots)]
+        for a, b in zip(inside, outside, strict=True):
+            sa, sb = self.slot_at[a], self.slot_at[b]
+            self.slot_at[a], self.slot_at[b], self.row_of[sa], self.row_of[sb] = sb, sa, b, a
+            self.length[a], self.length[b] = self.length[b], self.length[a]
+            self.filled[a], self.filled[b] = self.filled[b], self.filled[a]
+            swaps.append((a, b))
+        return swaps
+
+    def stepped(self, rows: Sequence[int], filled: Sequence[int] = ()) -> None:
+        """These rows gained a position; the text branch is filled to their length in rows `filled`."""
+        for r in rows:
+            self.length[r] += 1
+        for r in filled:
+            self.filled[r] = self.length[r]
 
     def release(self, slots: Sequence[int]) -> list[tuple[int, int]]:
         """Free these slots; the (from row, to row) moves that keep the active rows packed, to be

@@ -2,19 +2,22 @@
 
 gpt-fast in spirit: plain modules, static cache buffers, masks derived on the device from the
 positions, no host syncs in a step. The caches hold `max_batch` slots (`slots.Slots`): admit
-prefills new streams into free rows, step advances rows 0..n-1 together, each at its own
-position (its rope angles, its keys written at (row, position), its own attention mask), and a
-release refills the freed row with the last one. Layers 0..S-1 are the trunk, then the text
-branch, then the audio branch; each layer owns its K and V caches, a tensor each, so neither
-branches nor K and V can alias. On CUDA every step is replayed from a CUDA graph (one per row
-bucket, text-head need and attention bucket); decode attends to the first `kv_len` cached
-positions, a multiple of KV_BUCKET just past the longest sequence, rather than to the whole
-cache. A layer is a pure function of its tensors (`layer.layer_step`), so that with `compile` one
-torch.compile'd version of it, with the elementwise work between the matmuls fused, serves
-every layer. With `gemv` and `decode_attention`, decode goes through our Triton kernels
-(workflow.engines.gemv, .attention): the matmuls with their norms and residual adds, and the
-whole attention, each one kernel; linears.py holds the linear layers and `project`, which picks
-the path.
+prefills new streams into free rows, a step of k slots swaps their rows into 0..k-1 where they
+are not there already and advances those rows together, each at its own position (its rope
+angles, its keys written at (row, position), its own attention mask), and a release refills the
+freed row with the last one. Rows k.. that a step's bucket pads with are stepped too, at their
+own next position, and their results dropped: what they write there (cache entries, the held
+trunk output) lies past their length, where no one reads before a step of theirs writes it.
+Layers 0..S-1 are the trunk, then the text branch, then the audio branch; each layer owns its K
+and V caches, a tensor each, so neither branches nor K and V can alias. On CUDA every step is
+replayed from a CUDA graph (one per row bucket, text-head need and attention bucket); decode
+attends to the first `kv_len` cached positions, a multiple of KV_BUCKET just past the longest
+sequence stepped, rather than to the whole cache. A layer is a pure function of its tensors
+(`layer.layer_step`), so that with `compile` one torch.compile'd version of it, with the
+elementwise work between the matmuls fused, serves every layer. With `gemv` and
+`decode_attention`, decode goes through our Triton kernels (workflow.engines.gemv, .attention):
+the matmuls with their norms and residual adds, and the whole attention, each one kernel;
+linears.py holds the linear layers and `project`, which picks the path.
 
 With `defer_text_fill`, an audio-mode step runs no text branch at all (its only use there is
 to fill that branch's KV cache: the text logits are never read, FACTS.md 1); it keeps the
@@ -166,13 +169,13 @@ class TorchEngine(Engine, nn.Module):
         length (clamped to the cache) write entries no one reads before a step writes them. On
         CUDA a graph per (rows, R, attention bucket) replays it (eager, its ~250 small ops cost
         the host milliseconds), with the eager `layer_step`: a compile per shape costs seconds."""
-        slots = self.slots
-        owed = max(n - f for n, f in zip(slots.length, slots.filled, strict=True))
+        slots, m = self.slots, min(b, self.slots.n)
+        owed = max(n - f for n, f in zip(slots.length[:m], slots.filled[:m], strict=True))
         if owed == 0:
             return
         r = max(CATCH_UP_ROWS, 1 << (owed - 1).bit_length())
-        kv_len = kv_bucket(min(max(slots.filled) + r, self.max_seq_len), self.max_seq_len)
-        first = to_device(self.device, slots.filled + [0] * (b - slots.n))
+        kv_len = kv_bucket(min(max(slots.filled[:m]) + r, self.max_seq_len), self.max_seq_len)
+        first = to_device(self.device, slots.filled[:m] + [0] * (b - m))
         pos = (first[:, None] + self.positions[None, :r]).clamp_(max=self.max_seq_len - 1)
         self.catch_up_pos[:b, :r].copy_(pos)
         self._fill_text(b, r, kv_len)
@@ -205,13 +208,16 @@ class TorchEngine(Engine, nn.Module):
     def step(
         self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool | Sequence[bool] = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        rows = self.slots.rows(slots)
-        if not rows:
+        if not slots:
             raise ValueError("step: no active slot")
+        self.slots.rows(slots)  # refuses what it cannot step before any row moves
+        for swap in self.slots.front(slots):
+            self._swap(*swap)
+        rows = self.slots.rows(slots)
         text_head = any_text(need_text)
-        n = self.slots.n
+        n = len(rows)
         b = batch_bucket(n, self.max_batch)
-        kv_len = kv_bucket(max(self.slots.length) + 1, self.max_seq_len)
+        kv_len = kv_bucket(max(self.slots.length[:n]) + 1, self.max_seq_len)
         hold = self.defer_text_fill and not text_head
         if not hold:
             self._catch_up_text(b)
@@ -225,11 +231,17 @@ class TorchEngine(Engine, nn.Module):
 
         text, audio = self._run(by_row[:, None], ("step", text_head, kv_len, hold), self._decode(b, kv_len, text_head, hold))
         self.pos[:n] += 1
-        self.slots.stepped(filled=not hold)
+        self.slots.stepped(range(n), () if hold else range(min(b, self.slots.n)))
         if index is not None or b != n:  # back in the slots' order, padding rows dropped
             keep = slice(0, n) if index is None else index.to(self.device)
             text, audio = (None if text is None else text[keep]), audio[keep]
         return text, audio
+
+    def _swap(self, a: int, b: int) -> None:
+        """Exchange two rows' caches, positions and held trunk outputs."""
+        ab, ba = (torch.tensor(x, device=self.device) for x in ((a, b), (b, a)))
+        for t in [*self.caches(), self.pos, *([] if self.held is None else [self.held])]:
+            t[ab] = t[ba]
 
     def capture(self, rows: int, shortest: int, admissions: Sequence[tuple[int, int]] = ()) -> int:
         """Serving's graphs made ahead (`ahead.capture`); the number captured."""
@@ -248,7 +260,8 @@ class TorchEngine(Engine, nn.Module):
         """A decode step of rows 0..b-1 at their positions, as a function of the tokens on the device."""
 
         def run(static: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-            at = self.at(self.pos[:b], self.row_ids[:b], kv_len)
+            pos = self.pos[:b].clamp(max=self.max_seq_len - 1)  # a padding row may be a full one
+            at = self.at(pos, self.row_ids[:b], kv_len)
             return self.forward_tokens(static, at, text_head, False, hold, step)
 
         return run

@@ -284,11 +284,12 @@ class TrtllmEngine(Engine):
     def step(
         self, slots: Sequence[int], tokens: torch.Tensor, need_text: bool | Sequence[bool] = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One generation step for every active slot, each after its own cached length."""
+        """One generation step for these active slots, each after its own cached length (in-flight
+        batching: any of them, their blocks found by slot)."""
         rows = self.slots.rows(slots)
         past = [self.slots.length[r] for r in rows]
         out = self._run(merged_ids(tokens.to(self.device), self.spec)[:, None], slots, past)
-        self.slots.stepped(filled=True)
+        self.slots.stepped(rows, rows)
         return (out["logits"].float() if any_text(need_text) else None), out["audio_logits"].float()
 
     def release(self, slots: Sequence[int]) -> None:

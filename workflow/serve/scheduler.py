@@ -17,9 +17,11 @@ One thread owns the engine. Each `iterate`:
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
    (`need_text` per slot), each at its own position. With `pace`, not while every stream is ahead:
    once its first PCM is ready, a stream needs decoding only while its codes' audio is less than
-   `pace_lead_s` + `pace` x the time since (`Request.decode_due_at`); the stream furthest behind sets
-   the steps' rate. A reply made at pace x real time keeps its stream open longer, so more streams
-   share each step and each detokenizer call (and hold their slots and the codec's pages meanwhile);
+   `pace_lead_s` + `pace` x the time since (`Request.decode_due_at`); once one is due, every stream
+   steps, and while none is, only those awaiting their first audio do (the engine steps any of its
+   slots), so a new stream's first chunk is made by narrow steps. A reply made at pace x real time
+   keeps its stream open longer, so more streams share each step and each detokenizer call (and
+   hold their slots and the codec's pages meanwhile);
 5. while the device decodes, sends the streams' finished chunks (K codes each, the first as many
    as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`: its stream, the
    codes before it, whether it is the last) to the detokenizer, as one batch across streams. The
@@ -63,6 +65,7 @@ import torch
 from workflow.detokenize import Piece, Ready, chunk_due
 from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, advance, audio_mode_after, sample_step
+from workflow.serve.pending import Pending
 from workflow.serve.phases import Phases
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
 from workflow.serve.waits import Counts
@@ -104,7 +107,7 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.streams: dict[int, Request] = {}  # slot -> request
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
-        self.logits: tuple[list[int], torch.Tensor | None, torch.Tensor] | None = None  # slots, text, audio
+        self.logits = Pending()  # each open stream's logits, its next token not yet sampled
         self.done: list[Request] = []
         self.outbox: list[tuple[Request, list[int], int, bool]] = []  # chunks made, not yet sent (codes, done, last)
         self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
@@ -159,7 +162,7 @@ class Scheduler:
         if self.wait_s() > 0:
             self._send(due=self._batch_free())
             return False
-        slots, tokens, failed = self._sample()
+        slots, tokens, failed = self._sample(self._going())
         for req, codes, done, last in self._chunks(slots):  # before retirement: a stream that ends sends its last codes
             req.chunk_codes.append(len(codes))
             self.outbox.append((req, codes, done, last))
@@ -172,9 +175,17 @@ class Scheduler:
             going = [slots[i] for i in keep]
             with self.phases("decode"):
                 text, audio = self.engine.step(going, tokens[to_device(tokens.device, keep)], [not self.mode[s] for s in going])
-            self.logits = (going, text, audio)
+            self.logits.add(going, text, audio)
         self._send(due=self._batch_free())
         return True
+
+    def _going(self) -> list[int]:
+        """The streams sampled and stepped now: all but, with `pace` while no speaking stream is due,
+        only those awaiting their first audio, so that their steps stay narrow."""
+        slots, now = self.logits.slots, self.clock()
+        waiting = [s for s in slots if self.streams[s].playback_start is None]
+        due = [s for s in slots if self.streams[s].decode_due_at(self.cfg.pace, self.cfg.pace_lead_s) <= now]
+        return waiting if self.cfg.pace and waiting and set(due) == set(waiting) else slots
 
     def wait_s(self) -> float:
         """Seconds until a speaking stream must be decoded (`pace`: each one's `Request.decode_due_at`);
@@ -297,7 +308,7 @@ class Scheduler:
             self.seen_audio[rows[:, None], prompts[..., 1]] = True
             for req, m in zip(group, mode, strict=True):
                 self.streams[req.slot], self.mode[req.slot] = req, m
-            self._add_logits(slots, text, audio)
+            self.logits.add(slots, text, audio)
         return len(admitted)
 
     def streams_open(self) -> int:
@@ -321,22 +332,10 @@ class Scheduler:
         busy = set(self.streams)
         return [s for s in range(self.engine.max_batch) if s not in busy][: max(0, self.max_streams - self.streams_open())]
 
-    def _add_logits(self, slots: list[int], text: torch.Tensor | None, audio: torch.Tensor) -> None:
-        if self.logits is None:
-            self.logits = (slots, text, audio)
-            return
-        old_slots, old_text, old_audio = self.logits
-        if old_text is None and text is not None:
-            old_text = text.new_zeros(len(old_slots), text.shape[-1])
-        elif text is None and old_text is not None:
-            text = old_text.new_zeros(len(slots), old_text.shape[-1])
-        joined = None if text is None else torch.cat([old_text, text])
-        self.logits = (old_slots + slots, joined, torch.cat([old_audio, audio]))
-
-    def _sample(self) -> tuple[list[int], torch.Tensor, dict[int, str]]:
-        """Every active stream's next token: (slots, tokens [n, 2] on the device, {slot: why} for
-        streams whose logits are not finite); each stream's mode moves to its next token's."""
-        slots, text_logits, audio_logits = self.logits
+    def _sample(self, go: list[int]) -> tuple[list[int], torch.Tensor, dict[int, str]]:
+        """These streams' next tokens: (slots, tokens [n, 2] on the device, {slot: why} for streams
+        whose logits are not finite); each stream's mode moves to its next token's."""
+        slots, text_logits, audio_logits = self.logits.take(go)
         dev, ids, s = self.engine.device, self.ids, self.cfg.sampling
         hold = [len(self.streams[x].codes) < (self.streams[x].reply_codes or 0) for x in slots]
         idx, audio_mode, hold_eosp = to_device(dev, [slots, [self.mode[x] for x in slots], hold]).unbind(0)
@@ -387,11 +386,7 @@ class Scheduler:
         if not slots:
             return
         self.engine.release(slots)
-        if self.logits is not None:
-            kept = [i for i, s in enumerate(self.logits[0]) if s not in why]
-            old_slots, text, audio = self.logits
-            rows = to_device(audio.device, kept)
-            self.logits = ([old_slots[i] for i in kept], None if text is None else text[rows], audio[rows]) if kept else None
+        self.logits.drop(why)
         for s in slots:
             req = self.streams.pop(s)
             self.mode.pop(s)
