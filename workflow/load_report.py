@@ -56,8 +56,8 @@ def load_markdown(load: dict) -> list[str]:
         "Busy: the loop's share of wall time with work; device: each phase's device time per wall second (prefill, "
         "sample, decode on the decoding stream; detokenizer on its own, beside it; in brackets its urgent lane, "
         "streams' chunks until each has a chunk's audio); host: the loop's own time per wall second in the decode "
-        "step's launch and in the detokenizer's (both lanes), its one thread; streams: speaking on average (a "
-        "decode step's), the most open at once, and the most allowed (the engine's slots, load.slots and the "
+        "step's launch and in the detokenizer's (both lanes), its one thread; streams: decoded a step on average "
+        "(with pace, not those sitting out), the most open at once, and the most allowed (the engine's slots, load.slots and the "
         "detokenizer's flow slots); queued: arrival to admission; the slowest tenth's time to first audio (its "
         "requests' means): queued, then to its first audible chunk's sending (prefill, decode steps), then to that "
         "chunk's PCM (the detokenizer).",

@@ -222,7 +222,7 @@ def run_level(
         if decoded:  # an arrival waits up to one to be admitted
             held = replace(sched.last, waits=waits.iteration() - w0)
             iters.append((1e3 * took, held, {k: 1e3 * (s - host.get(k, 0.0)) for k, s in sched.phases.host.items()}))
-        active_sum += len(sched.streams) if decoded else 0
+        active_sum += sched.last.stepped if decoded else 0
         peak = max(peak, sched.streams_open())
         if progress and clock() - last_print > 2.0:
             last_print = clock()

@@ -58,7 +58,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -75,11 +75,12 @@ from workflow.vocoder import SECONDS_PER_TOKEN
 @dataclass(frozen=True)
 class Iteration:
     """What one iteration held beside its work: the prompts it admitted, the detokenizer's later batches
-    running as it began (beside its step), and what the load's loop counts around it: CUDA graphs
-    captured and what else could hold its thread (serve/waits.py)."""
+    running as it began (beside its step), the streams its step decoded, and what the load's loop counts
+    around it: CUDA graphs captured and what else could hold its thread (serve/waits.py)."""
 
     prompts: int = 0
     later: int = 0
+    stepped: int = 0
     waits: Counts = field(default_factory=Counts)
 
 
@@ -176,6 +177,7 @@ class Scheduler:
             with self.phases("decode"):
                 text, audio = self.engine.step(going, tokens[to_device(tokens.device, keep)], [not self.mode[s] for s in going])
             self.logits.add(going, text, audio)
+            self.last = replace(self.last, stepped=len(going))
         self._send(due=self._batch_free())
         return True
 
