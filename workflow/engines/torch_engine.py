@@ -239,7 +239,7 @@ class TorchEngine(Engine, nn.Module):
 
     def _swap(self, a: int, b: int) -> None:
         """Exchange two rows' caches, positions and held trunk outputs."""
-        ab, ba = (torch.tensor(x, device=self.device) for x in ((a, b), (b, a)))
+        ab, ba = to_device(self.device, [a, b]), to_device(self.device, [b, a])  # no wait for a running step
         for t in [*self.caches(), self.pos, *([] if self.held is None else [self.held])]:
             t[ab] = t[ba]
 
