@@ -9,9 +9,9 @@ One thread owns the engine. Each `iterate`:
    admitted whole, not chunked: a 512-token prefill costs about two decode steps of a full batch,
    far inside the 80 ms each running stream has per code, and the token budget keeps a burst of
    arrivals from stacking more than that in front of one step;
-2. samples every active stream's next token from its logits (MOSS-Speech's loop: `generate`'s
-   sampling, penalty and modality switches, per stream), with one wait for the device: the
-   iteration's only one;
+2. samples the next token of every stream it steps (all but, with `pace`, those sitting out: 4)
+   from its logits (MOSS-Speech's loop: `generate`'s sampling, penalty and modality switches, per
+   stream), with one wait for the device: the iteration's only one;
 3. retires streams that are done (their codes spoken, a stop id, their step budget) or that
    failed (non-finite logits), freeing their slots at once;
 4. launches one decode step for every remaining stream, text-mode and audio-mode ones together
