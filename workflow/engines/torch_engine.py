@@ -213,7 +213,7 @@ class TorchEngine(Engine, nn.Module):
         self.slots.rows(slots)  # refuses what it cannot step before any row moves
         for swap in self.slots.front(slots):
             self._swap(*swap)
-        rows = self.slots.rows(slots)
+        rows = [self.slots.row_of[s] for s in slots]  # 0..k-1 now, in the caller's order
         text_head = any_text(need_text)
         n = len(rows)
         b = batch_bucket(n, self.max_batch)

@@ -186,8 +186,10 @@ class Scheduler:
         only those awaiting their first audio, so that their steps stay narrow."""
         slots, now = self.logits.slots, self.clock()
         waiting = [s for s in slots if self.streams[s].playback_start is None]
+        if not self.cfg.pace or not waiting:
+            return slots
         due = [s for s in slots if self.streams[s].decode_due_at(self.cfg.pace, self.cfg.pace_lead_s) <= now]
-        return waiting if self.cfg.pace and waiting and set(due) == set(waiting) else slots
+        return waiting if set(due) == set(waiting) else slots
 
     def wait_s(self) -> float:
         """Seconds until a speaking stream must be decoded (`pace`: each one's `Request.decode_due_at`);
