@@ -13,8 +13,8 @@
 # MOSSBUILD_STAGE_S=575 before call 3 and, before call 4, what the session's device time has left (H200 run
 # 17: 480, FP8's benchmark 351 s): graphs for 24 streams and the search's larger levels take longer than H100
 # run 20's benchmarks (bf16 ~420 s, FP8 ~360 s of the 560 s stage). bf16's search to 64 users (64, 48, 40)
-# took 508 s of call 3's 575 in H200 run 17; FP8 held 64 there, so h200.yaml's search now goes on to 128
-# (two or three more levels, ~15-40 s each, in call 4).
+# took 508 s of call 3's 575 in H200 run 17; FP8's search on to 128 (128, 96, 80 after 64) took 419 s of
+# call 4 in run 18, so call 4 needs ~440 s.
 #
 # Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
 # the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
@@ -28,7 +28,8 @@
 # held 1,425 s; H200 run 14 (the codec's CUDA tests after FP8's verify in call 3): 202 / 424 / 490 s; H200
 # run 15: 240 / 434 s, then the two-GPU machine was taken back (and no longer lent): a run may be lost so too;
 # H200 run 16: 231 / 437 s, then call 3, made within seconds, met a fresh machine; H200 run 17 (search to 64, a probe beside call 4
-# with MOSSBUILD_STAGE_S=480): 256 / 451 / 514 / 357 s, held 1,654 s. Download and convert (~100 s) are a call of their own because bf16's
+# with MOSSBUILD_STAGE_S=480): 256 / 451 / 514 / 357 s, held 1,654 s; H200 run 18 (FP8's search to 128: 419 s
+# of call 4's 435): 243 / 496 / 527 / 425 s, held 1,770 s. Download and convert (~100 s) are a call of their own because bf16's
 # build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
 # near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Tuning at 8 and 16 rows
 # too (blocks.ROWS) adds ~25-35 s to a build on an H100 (levers.md, probe 36). Each side's output is
