@@ -4,7 +4,7 @@ priorities they are captured at, with the detokenizer's lanes' (anywhere)."""
 import pytest
 import torch
 
-from workflow.cudagraphs import CAPTURE_PRIORITY, Graphs, capture_priority
+from workflow.cudagraphs import CAPTURE_PRIORITY, Graphs, PoolMarks, capture_priority, pool_bytes
 from workflow.detokenize import lane_priorities
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -68,3 +68,44 @@ def test_later_pieces_below_decoding_only_when_asked_and_their_graphs_keep_it():
         assert lanes[True] < CAPTURE_PRIORITY and {capture_priority(p) for p in lanes.values()} == set(lanes.values())
     assert lane_priorities(False)[False] == CAPTURE_PRIORITY
     assert CAPTURE_PRIORITY < lane_priorities(True)[False] < 0
+
+
+def test_pool_bytes_sorts_segments_by_the_pools_each_stage_captured_into():
+    """Segments of a memory snapshot (torch.cuda.memory_snapshot's form) go to the stage whose pools hold
+    them; the allocator's own pool (0, 0) and pools no stage made go to "rest"; other devices' to none."""
+    snapshot = [
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 100, "allocated_size": 60},
+        {"device": 0, "segment_pool_id": (1, 0), "total_size": 20, "allocated_size": 5},
+        {"device": 0, "segment_pool_id": (1, 0), "total_size": 10, "allocated_size": 10},
+        {"device": 0, "segment_pool_id": (2, 0), "total_size": 7, "allocated_size": 1},
+        {"device": 0, "segment_pool_id": (3, 0), "total_size": 4, "allocated_size": 4},  # no stage's
+        {"device": 1, "segment_pool_id": (2, 0), "total_size": 1000, "allocated_size": 1000},  # another GPU's
+    ]
+    split = pool_bytes(snapshot, 0, {"engine_graphs": {(1, 0)}, "detokenizer_graphs": {(2, 0)}})
+    assert split == {
+        "engine_graphs": {"reserved_bytes": 30, "allocated_bytes": 15},
+        "detokenizer_graphs": {"reserved_bytes": 7, "allocated_bytes": 1},
+        "rest": {"reserved_bytes": 104, "allocated_bytes": 64},
+    }
+    assert PoolMarks(torch.device("cpu")).split() is None  # off CUDA: nothing to split
+
+
+@needs_cuda
+def test_pool_marks_give_each_stage_the_memory_its_graphs_keep():
+    """Two Graphs made one after the other, each stage marked as it ends: each stage's pool holds its own
+    graphs' outputs (8 MiB each, kept alive), the allocator's own pool the input, and the device has the
+    rest free."""
+    device = torch.device("cuda")
+    x = torch.randn(2**21, device=device)  # 8 MiB, in the allocator's own pool
+    marks = PoolMarks(device)
+    first, second = Graphs(device), Graphs(device)
+    outs = [first.run(i, lambda i=i: x * (i + 1)) for i in range(3)]
+    marks.mark("engine_graphs")
+    outs += [second.run(i, lambda i=i: x - i) for i in range(2)]
+    marks.mark("detokenizer_graphs")
+    split = marks.split()
+    engine, detokenizer = split["engine_graphs"]["allocated_bytes"], split["detokenizer_graphs"]["allocated_bytes"]
+    assert engine >= 3 * x.nbytes and 2 * x.nbytes <= detokenizer < 3 * x.nbytes  # each its own stage's only
+    assert split["rest"]["allocated_bytes"] >= x.nbytes and 0 < split["free_bytes"] <= torch.cuda.mem_get_info(device)[1]
+    assert all(part["reserved_bytes"] >= part["allocated_bytes"] for k, part in split.items() if k != "free_bytes")
+    assert torch.equal(outs[4], x - 1)

@@ -96,3 +96,53 @@ class Graphs:
         graph.replay()
         self.replay_s += time.perf_counter() - t0
         return out  # type: ignore[return-value]
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index ("cuda" alone: the current one)."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def graph_pools(device: int) -> set[tuple[int, int]]:
+    """The memory pools CUDA graphs captured so far hold on `device` (the caching allocator's own pool,
+    (0, 0), left out): taken before and after a stage, what it captured is the difference."""
+    return {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot() if s["device"] == device} - {(0, 0)}
+
+
+def pool_bytes(snapshot: list[dict], device: int, groups: dict[str, set]) -> dict[str, dict[str, int]]:
+    """Bytes reserved and allocated (tensors alive) on `device`, by the named groups of graph pools, the
+    rest under "rest" (the allocator's own pool: weights, caches, pages, and freed blocks kept for reuse)."""
+    out = {name: {"reserved_bytes": 0, "allocated_bytes": 0} for name in [*groups, "rest"]}
+    for s in snapshot:
+        if s["device"] == device:
+            pool = tuple(s["segment_pool_id"])
+            part = out[next((name for name, ids in groups.items() if pool in ids), "rest")]
+            part["reserved_bytes"] += s["total_size"]
+            part["allocated_bytes"] += s["allocated_size"]
+    return out
+
+
+class PoolMarks:
+    """Which graph pools each stage captured into, marked as stages end, and then the device's memory
+    split by them (CUDA; elsewhere none): what a stage's graphs keep, against the allocator's own pool
+    and what the device has free."""
+
+    def __init__(self, device: torch.device):
+        self.index = device_index(device) if device.type == "cuda" else None
+        self.stages: dict[str, set] = {}
+        self.seen = self._pools()
+
+    def _pools(self) -> set:
+        return graph_pools(self.index) if self.index is not None else set()
+
+    def mark(self, stage: str) -> None:
+        """The pools that appeared since the last mark are `stage`'s."""
+        now = self._pools()
+        self.stages[stage], self.seen = now - self.seen, now
+
+    def split(self) -> dict | None:
+        """Bytes by stage (and "rest"), and the device's free bytes; None off CUDA."""
+        if self.index is None:
+            return None
+        split = pool_bytes(torch.cuda.memory_snapshot(), self.index, self.stages)
+        return split | {"free_bytes": torch.cuda.mem_get_info(self.index)[0]}

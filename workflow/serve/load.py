@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from workflow import traffic
-from workflow.cudagraphs import Graphs
+from workflow.cudagraphs import Graphs, PoolMarks
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
@@ -290,10 +290,10 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     stalls while one is captured or compiled mid-level. Then every object so far is frozen out of
     Python's garbage collector (gc.freeze, until `run` ends): a full collection walked ~0.8 M of them,
     ~400 ms of the loop's thread, on an H200's host (levers.md, "H200 detokenizer host"). Returns what it made, how
-    long it took, the objects frozen and (CUDA) the device memory it left reserved: the graphs' pools,
-    mostly."""
+    long it took, the objects frozen and (CUDA) the device memory it left reserved, and the device's
+    memory split by the engine's and the detokenizer's graph pools (what sizes the codec's pages)."""
     t0, graphs, calls = time.perf_counter(), 0, 0
-    cuda = engine.device.type == "cuda"
+    cuda, marks = engine.device.type == "cuda", PoolMarks(engine.device)
     reserved = torch.cuda.memory_reserved(engine.device) if cuda else 0
     if engine.active():  # what ran before (the streams benchmark) ends: the load starts from free slots
         engine.release(engine.active())
@@ -301,16 +301,20 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(cfg.slots, cfg.prompt_len, admissions)
     t_engine = time.perf_counter() - t0
+    marks.mark("engine_graphs")
     if warm := getattr(detokenize, "warm", None):
         calls = warm(cfg.slots, chunk_tokens, cfg.longest_codes)
+    marks.mark("detokenizer_graphs")
     took = time.perf_counter() - t0
     if graphs or calls:
         print(f"load: {graphs} engine graphs and {calls} detokenizer batches made ahead in {took:.1f} s", file=sys.stderr)
     grown = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
     gc.collect()
+    memory = marks.split()
     gc.freeze()  # Python's full collections walk only what comes after (`run` unfreezes it)
-    return {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
+    made = {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
             "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count()}  # fmt: skip
+    return made | {"memory": memory} if memory else made
 
 
 def run(
