@@ -70,42 +70,41 @@ def test_later_pieces_below_decoding_only_when_asked_and_their_graphs_keep_it():
     assert CAPTURE_PRIORITY < lane_priorities(True)[False] < 0
 
 
-def test_pool_bytes_sorts_segments_by_the_pools_each_stage_captured_into():
-    """Segments of a memory snapshot (torch.cuda.memory_snapshot's form) go to the stage whose pools hold
-    them; the allocator's own pool (0, 0) and pools no stage made go to "rest"; other devices' to none."""
+def test_pool_bytes_sorts_segments_into_graph_pools_and_the_allocators_own():
+    """Segments of a memory snapshot (torch.cuda.memory_snapshot's form) in any graph's pool go to
+    "graph_pools", those of the allocator's own pool (0, 0) to "rest", other devices' to neither."""
     snapshot = [
         {"device": 0, "segment_pool_id": (0, 0), "total_size": 100, "allocated_size": 60},
         {"device": 0, "segment_pool_id": (1, 0), "total_size": 20, "allocated_size": 5},
-        {"device": 0, "segment_pool_id": (1, 0), "total_size": 10, "allocated_size": 10},
         {"device": 0, "segment_pool_id": (2, 0), "total_size": 7, "allocated_size": 1},
-        {"device": 0, "segment_pool_id": (3, 0), "total_size": 4, "allocated_size": 4},  # no stage's
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 4, "allocated_size": 4},
         {"device": 1, "segment_pool_id": (2, 0), "total_size": 1000, "allocated_size": 1000},  # another GPU's
     ]
-    split = pool_bytes(snapshot, 0, {"engine_graphs": {(1, 0)}, "detokenizer_graphs": {(2, 0)}})
-    assert split == {
-        "engine_graphs": {"reserved_bytes": 30, "allocated_bytes": 15},
-        "detokenizer_graphs": {"reserved_bytes": 7, "allocated_bytes": 1},
+    assert pool_bytes(snapshot, 0) == {
+        "graph_pools": {"reserved_bytes": 27, "allocated_bytes": 6},
         "rest": {"reserved_bytes": 104, "allocated_bytes": 64},
     }
     assert PoolMarks(torch.device("cpu")).split() is None  # off CUDA: nothing to split
 
 
 @needs_cuda
-def test_pool_marks_give_each_stage_the_memory_its_graphs_keep():
-    """Two Graphs made one after the other, each stage marked as it ends: each stage's pool holds its own
-    graphs' outputs (8 MiB each, kept alive), the allocator's own pool the input, and the device has the
-    rest free."""
+def test_pool_marks_give_each_stage_what_its_captures_added():
+    """A Graphs object made before the marks start, then captures into its pool in the first stage, a new
+    one in the second: each stage gets what its graphs' outputs (8 MiB each, kept alive) added, the pool
+    made before it included; the allocator's own pool holds the input; the device has the rest free."""
     device = torch.device("cuda")
     x = torch.randn(2**21, device=device)  # 8 MiB, in the allocator's own pool
-    marks = PoolMarks(device)
     first, second = Graphs(device), Graphs(device)
-    outs = [first.run(i, lambda i=i: x * (i + 1)) for i in range(3)]
+    outs = [first.run("before", lambda: x * 0)]  # its pool exists before the marks (the engine's does)
+    marks = PoolMarks(device)
+    outs += [first.run(i, lambda i=i: x * (i + 1)) for i in range(3)]
     marks.mark("engine_graphs")
     outs += [second.run(i, lambda i=i: x - i) for i in range(2)]
     marks.mark("detokenizer_graphs")
     split = marks.split()
     engine, detokenizer = split["engine_graphs"]["allocated_bytes"], split["detokenizer_graphs"]["allocated_bytes"]
-    assert engine >= 3 * x.nbytes and 2 * x.nbytes <= detokenizer < 3 * x.nbytes  # each its own stage's only
-    assert split["rest"]["allocated_bytes"] >= x.nbytes and 0 < split["free_bytes"] <= torch.cuda.mem_get_info(device)[1]
-    assert all(part["reserved_bytes"] >= part["allocated_bytes"] for k, part in split.items() if k != "free_bytes")
-    assert torch.equal(outs[4], x - 1)
+    assert 3 * x.nbytes <= engine < 4 * x.nbytes and 2 * x.nbytes <= detokenizer < 3 * x.nbytes  # each its own stage's
+    assert split["graph_pools"]["allocated_bytes"] >= 6 * x.nbytes and split["rest"]["allocated_bytes"] >= x.nbytes
+    assert 0 < split["free_bytes"] <= torch.cuda.mem_get_info(device)[1]
+    assert all(part["reserved_bytes"] >= part["allocated_bytes"] for part in (split["graph_pools"], split["rest"]))
+    assert torch.equal(outs[5], x - 1)

@@ -103,46 +103,42 @@ def device_index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def graph_pools(device: int) -> set[tuple[int, int]]:
-    """The memory pools CUDA graphs captured so far hold on `device` (the caching allocator's own pool,
-    (0, 0), left out): taken before and after a stage, what it captured is the difference."""
-    return {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot() if s["device"] == device} - {(0, 0)}
-
-
-def pool_bytes(snapshot: list[dict], device: int, groups: dict[str, set]) -> dict[str, dict[str, int]]:
-    """Bytes reserved and allocated (tensors alive) on `device`, by the named groups of graph pools, the
-    rest under "rest" (the allocator's own pool: weights, caches, pages, and freed blocks kept for reuse)."""
-    out = {name: {"reserved_bytes": 0, "allocated_bytes": 0} for name in [*groups, "rest"]}
+def pool_bytes(snapshot: list[dict], device: int) -> dict[str, dict[str, int]]:
+    """Bytes reserved and allocated (held by tensors) on `device` in CUDA graphs' pools ("graph_pools") and in
+    the caching allocator's own pool, (0, 0) ("rest": weights, caches, pages, and freed blocks kept for reuse),
+    from a torch.cuda.memory_snapshot()."""
+    out = {name: {"reserved_bytes": 0, "allocated_bytes": 0} for name in ("graph_pools", "rest")}
     for s in snapshot:
         if s["device"] == device:
-            pool = tuple(s["segment_pool_id"])
-            part = out[next((name for name, ids in groups.items() if pool in ids), "rest")]
+            part = out["rest" if tuple(s["segment_pool_id"]) == (0, 0) else "graph_pools"]
             part["reserved_bytes"] += s["total_size"]
             part["allocated_bytes"] += s["allocated_size"]
     return out
 
 
 class PoolMarks:
-    """Which graph pools each stage captured into, marked as stages end, and then the device's memory
-    split by them (CUDA; elsewhere none): what a stage's graphs keep, against the allocator's own pool
-    and what the device has free."""
+    """The device's memory in graph pools as stages end (CUDA; elsewhere none): what each stage's captures
+    added to them (a stage may capture into a pool made before it: the engine's, by the streams benchmark),
+    against the allocator's own pool and what the device has free."""
 
     def __init__(self, device: torch.device):
         self.index = device_index(device) if device.type == "cuda" else None
-        self.stages: dict[str, set] = {}
-        self.seen = self._pools()
+        self.stages: dict[str, dict[str, int]] = {}
+        self.last = self._graphs()
 
-    def _pools(self) -> set:
-        return graph_pools(self.index) if self.index is not None else set()
+    def _graphs(self) -> dict[str, int]:
+        return pool_bytes(torch.cuda.memory_snapshot(), self.index)["graph_pools"] if self.index is not None else {}
 
     def mark(self, stage: str) -> None:
-        """The pools that appeared since the last mark are `stage`'s."""
-        now = self._pools()
-        self.stages[stage], self.seen = now - self.seen, now
+        """What the graph pools grew by since the last mark is `stage`'s."""
+        now = self._graphs()
+        self.stages[stage] = {k: now[k] - self.last[k] for k in now}
+        self.last = now
 
     def split(self) -> dict | None:
-        """Bytes by stage (and "rest"), and the device's free bytes; None off CUDA."""
+        """The graph pools and the allocator's own pool, each stage's growth of the first, and the device's
+        free bytes; None off CUDA."""
         if self.index is None:
             return None
-        split = pool_bytes(torch.cuda.memory_snapshot(), self.index, self.stages)
+        split = pool_bytes(torch.cuda.memory_snapshot(), self.index) | self.stages
         return split | {"free_bytes": torch.cuda.mem_get_info(self.index)[0]}

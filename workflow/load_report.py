@@ -19,14 +19,14 @@ def _prepared(made: dict | None) -> str:
 
 
 def _memory(m: dict | None) -> str:
-    """The device's memory after them, by graph pools (none: not CUDA, or a file from before the split)."""
+    """The device's memory after them, by pools (none: not CUDA, or a file from before the split)."""
     if not m:
         return ""
     gib = {k: {n: b / 2**30 for n, b in v.items()} for k, v in m.items() if isinstance(v, dict)}
-    e, d, r = gib["engine_graphs"], gib["detokenizer_graphs"], gib["rest"]
+    g, e, d, r = gib["graph_pools"], gib["engine_graphs"], gib["detokenizer_graphs"], gib["rest"]
     return (
-        f" Graph pools then: the engine's {e['reserved_bytes']:.1f} GiB ({e['allocated_bytes']:.1f} held by tensors), "
-        f"the detokenizer's {d['reserved_bytes']:.1f} GiB ({d['allocated_bytes']:.1f}); the allocator's own pool "
+        f" Graph pools then {g['reserved_bytes']:.1f} GiB ({g['allocated_bytes']:.1f} held by tensors; the engine's "
+        f"captures added {e['reserved_bytes']:.1f}, the detokenizer's {d['reserved_bytes']:.1f}); the allocator's own pool "
         f"{r['reserved_bytes']:.1f} GiB (weights, caches, pages: {r['allocated_bytes']:.1f} held, the rest freed blocks "
         f"kept); the device {m['free_bytes'] / 2**30:.1f} GiB free."
     )
