@@ -132,10 +132,11 @@ def swap_leaves_positions(engine: TorchEngine) -> None:
     with every slot stepping no row moves so, and nothing shows; a slot that sat out a step and
     then steps from another row writes and reads at the other stream's position."""
 
-    def caches_only(a: int, b: int) -> None:
-        ab, ba = torch.tensor([a, b]), torch.tensor([b, a])
-        for t in engine.caches():
-            t[ab] = t[ba]
+    def caches_only(swaps: list[tuple[int, int]]) -> None:
+        for a, b in swaps:
+            ab, ba = torch.tensor([a, b]), torch.tensor([b, a])
+            for t in engine.caches():
+                t[ab] = t[ba]
 
     engine._swap = caches_only
 

@@ -62,7 +62,8 @@ class Slots:
         return [self.row_of[s] for s in slots]
 
     def front(self, slots: Sequence[int]) -> list[tuple[int, int]]:
-        """The swaps of rows, to be made in order, that put these active slots in rows 0..k-1."""
+        """The swaps of rows that put these active slots in rows 0..k-1: disjoint pairs (a row below k
+        for one at or past it), so they may be made in any order, or at once."""
         k, swaps = len(slots), []
         outside = [self.row_of[s] for s in slots if self.row_of[s] >= k]
         inside = [r for r in range(k) if self.slot_at[r] not in set(slots)]

@@ -211,8 +211,8 @@ class TorchEngine(Engine, nn.Module):
         if not slots:
             raise ValueError("step: no active slot")
         self.slots.rows(slots)  # refuses what it cannot step before any row moves
-        for swap in self.slots.front(slots):
-            self._swap(*swap)
+        if swaps := self.slots.front(slots):
+            self._swap(swaps)
         rows = [self.slots.row_of[s] for s in slots]  # 0..k-1 now, in the caller's order
         text_head = any_text(need_text)
         n = len(rows)
@@ -237,11 +237,13 @@ class TorchEngine(Engine, nn.Module):
             text, audio = (None if text is None else text[keep]), audio[keep]
         return text, audio
 
-    def _swap(self, a: int, b: int) -> None:
-        """Exchange two rows' caches, positions and held trunk outputs."""
-        ab, ba = to_device(self.device, [a, b]), to_device(self.device, [b, a])  # no wait for a running step
+    def _swap(self, swaps: list[tuple[int, int]]) -> None:
+        """Exchange the rows of each pair (disjoint pairs: one gather and scatter a tensor for all of
+        them) in the caches, positions and held trunk outputs."""
+        dst, src = to_device(self.device, [[a for a, _ in swaps] + [b for _, b in swaps],
+                                           [b for _, b in swaps] + [a for a, _ in swaps]]).unbind(0)  # fmt: skip
         for t in [*self.caches(), self.pos, *([] if self.held is None else [self.held])]:
-            t[ab] = t[ba]
+            t[dst] = t[src]
 
     def capture(self, rows: int, shortest: int, admissions: Sequence[tuple[int, int]] = ()) -> int:
         """Serving's graphs made ahead (`ahead.capture`); the number captured."""
