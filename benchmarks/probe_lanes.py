@@ -1,0 +1,97 @@
+"""Probe (ledger: "H200 serving lanes", "H200 serving pace 3"): levers of the GPU's share under load against
+the config as it is, A/B in one process on one engine and detokenizer's batch: `load.detokenize_join` (a
+speaking stream with that many chunks waiting goes along with a held batch that goes anyway: streams' calls
+fall together), `load.later_below_decode` (the detokenizer's later lane one priority below the decode
+graphs: a decode step goes before a held codec batch where both wait for SMs) and `load.pace` (PROBE_PACE,
+a lead of PROBE_LEAD s: streams past their first PCM decoded at that many times real time, new streams
+stepping alone while none is due: wider steps and calls). The "below" arms run last: their lane's
+graphs are new, in a pool of their own, which stays. A line per level as it ends, then every level's
+figures as JSON.
+
+    PROBE_ARMS="base|join|below|pace" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_PACE=3 PROBE_LEAD=1.5 \
+        python benchmarks/probe_lanes.py <engine dir> <out.json> [config.yaml ...]
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from workflow.benchmark import sampling_of, speech_of
+from workflow.codec.lanes import CodecLanes
+from workflow.engines import load_engine
+from workflow.generate import Ids
+from workflow.serve import load
+
+JOIN = int(os.environ.get("PROBE_JOIN", "4"))  # under h200.yaml's hold of 8
+PACE = {"pace": float(os.environ.get("PROBE_PACE", "3")), "pace_lead_s": float(os.environ.get("PROBE_LEAD", "1.5"))}
+ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "below": {"later_below_decode": True}, "pace": PACE,
+        "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
+ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
+LEVELS = [int(n) for n in os.environ.get("PROBE_LEVELS", "48,64").split(",")]
+WATCH_S = float(os.environ.get("PROBE_WATCH_S", "240"))  # an arm's first prepare takes ~180 s on an H200
+
+
+def merged(a: dict, b: dict) -> dict:
+    return {k: merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()} | {
+        k: v for k, v in a.items() if k not in b
+    }
+
+
+def line(name: str, lv: dict) -> str:
+    r = lambda d: json.dumps({k: round(v, 2) for k, v in d.items()})  # noqa: E731
+    return (
+        f"{name} | {lv['value']} users | TTFA p50/p90/p99 {lv['ttfa_ms']['p50']:.0f}/{lv['ttfa_ms']['p90']:.0f}/"
+        f"{lv['ttfa_ms']['p99']:.0f} ms | underruns {lv['underruns']} | codes/s {lv['tokens_per_s']:.0f} | "
+        f"busy {lv['busy_fraction']:.2f} | device {r(lv['device_busy'])} | host {r(lv['host_busy'])} | "
+        f"rows a step {lv['mean_active_slots']:.1f} | steps {lv['iterations']} | peak {lv['peak_streams']} | "
+        f"queued p99 {lv['queued_ms']['p99']:.0f} ms | iteration p50/p99/max {lv['iteration_ms']['p50']:.1f}/"
+        f"{lv['iteration_ms']['p99']:.1f}/{lv['iteration_ms']['max']:.0f} ms | slowest tenth queued/chunk/PCM "
+        f"{'/'.join(f'{v:.0f}' for v in lv['slowest_ttfa_parts_ms'].values())} ms | served {lv['served']} | "
+        f"anchor put off {lv['anchor_put_off']} | "
+        f"slow iterations {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in lv['slow_iterations'].items()})}"
+    )
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # stopped at its limit: where it waited
+    engine_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    cfg: dict = {}
+    for f in ["config/config.yaml", *sys.argv[3:]]:
+        cfg = merged(cfg, yaml.safe_load(Path(f).read_text()))
+    p = cfg["benchmark"]
+    p = p | {"load": p["load"] | {"closed": LEVELS, "search_step": 0}}
+    t0 = time.perf_counter()
+    engine = load_engine(engine_dir, max_batch=max(p["load"]["slots"], 4))
+    ids = Ids.of(engine.spec)
+    dtype = getattr(torch, cfg["engine"]["dtype"])
+    _, _, serving, _, _ = speech_of(p, engine.device, dtype, ids, load.LoadConfig.from_dict(p["load"]))
+    detokenize = serving()
+    print(f"engine and detokenizer made in {time.perf_counter() - t0:.0f} s", flush=True)
+    results, below = {}, False
+    for name, over in ARMS.items():
+        t0 = time.perf_counter()
+        faulthandler.dump_traceback_later(WATCH_S, repeat=True)  # an arm that stalls says where, every WATCH_S
+        if over.get("later_below_decode") and not below:  # made once, for every "below" arm
+            if not detokenize.lanes:
+                raise SystemExit("the 'below' arm needs CUDA: a lane's priority")
+            detokenize, below = CodecLanes(detokenize.batch, engine.device, time.perf_counter, later_below=True), True
+        print(f"{name}: lane priorities {detokenize.priorities}", flush=True)
+        lc = load.LoadConfig.from_dict(p["load"] | over)
+        r = load.run(engine, detokenize, time.perf_counter, lc, ids, p["chunk_tokens"], sampling_of(p))
+        results[name] = {"prepared": r["prepared"], "levels": r["levels"], "lane_priorities": r["lane_priorities"]}
+        for lv in r["levels"]:
+            print(line(name, lv), flush=True)
+        faulthandler.cancel_dump_traceback_later()
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
