@@ -8,6 +8,17 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify, the rest of the codec's CUDA tests
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | GPU 0 free (a probe on bf16's engine)
 #
+# A serving A/B session (probe_lanes.py's arms, e.g. PROBE_ARMS=pace) builds engines only, in two calls, then
+# probes; a probe's first arm makes its graphs ahead (~205 s), then ~30-40 s a level:
+#
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p1   # download, convert, then bf16 build | FP8 calibrate (~480 s)
+#   PROBE_BF16=48,64,80 PROBE_FP8=64,80,96 MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p2   # bf16 probe | FP8 build, probe
+#   PROBE_BF16=.. PROBE_FP8=.. PROBE_CONFIGS=<yaml ...> bash benchmarks/gpu_pair.sh p3   # again, other arms or settings
+#
+# A precision whose PROBE_<P> is empty is not probed. PROBE_CONFIGS are read after full.yaml and
+# MOSSBUILD_CONFIGFILE; the other PROBE_* settings go to probe_lanes.py as they are. Each probe stops at the
+# call's MOSSBUILD_STAGE_S; its lines are in $OUT/probe-<precision>.log, its levels in $OUT/probe-<precision>.json.
+#
 # On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (24 flow slots, 360 s of pages: they do not fit
 # an H100, so ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card), and
 # MOSSBUILD_STAGE_S=575 before call 3 and, before call 4, what the session's device time has left (H200 run
@@ -51,12 +62,22 @@ tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tm
 # a call whose earlier calls' outputs are not here met a fresh machine (the one held was given back, e.g. idle
 # 30 s between calls: H200 run 14): it stops at once, where redoing them would spend the session's device time
 needs() { local f; for f in "$@"; do [ -e "results/full/$f" ] || {
-    echo "step $step needs results/full/$f from the calls before it: this machine is fresh; start again at step 1" >&2; exit 3; }; done; }
-step=${1:?step 1, 2, 3 or 4}
+    echo "step $step needs results/full/$f from the calls before it: this machine is fresh; start again at step ${step%%[0-9]*}1" >&2; exit 3; }; done; }
+# probe <gpu> <precision> <levels>: probe_lanes.py on that precision's engine until the call's stage ends
+deadline=$(( SECONDS + ${MOSSBUILD_STAGE_S:-560} ))
+probe() { local half=$(( $(nproc) / 2 )) left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
+          [ "$left" -gt 60 ] || { echo "probe $2: ${left} s of the stage left, not started" >> "$OUT/probe-$2.log"; return 0; }
+          CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. PROBE_LEVELS=$3 timeout "$left" \
+              taskset -c "$(( $1 * half ))-$(( $1 * half + half - 1 ))" python3 benchmarks/probe_lanes.py \
+              "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
+              > "$OUT/probe-$2.log" 2>&1 || echo "probe $2 exit $?" >> "$OUT/probe-$2.log"; }
+step=${1:?step 1, 2, 3 or 4 (a run of record), or p1, p2 or p3 (a serving A/B)}
 case $step in
     2) needs ckpt-bf16 ;;
     3) needs torch-bf16/verify.json calib-fp8 ;;
     4) needs torch-fp8/verify.json ;;
+    p2) needs torch-bf16/engine/engine.json calib-fp8 ;;
+    p3) needs torch-bf16/engine/engine.json torch-fp8/engine/engine.json ;;
 esac
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
@@ -65,5 +86,8 @@ case $step in
     2) both "bf16 verify" "fp8 calibrate" ;;
     3) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
     4) side 1 fp8 ;;
-    *) echo "unknown step $1 (1, 2, 3 or 4)" >&2; exit 2 ;;
+    p1) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert > "$OUT/gpu0-bf16-convert.log" 2>&1; both "bf16 build" "fp8 calibrate" ;;
+    p2) probe 0 bf16 "${PROBE_BF16:-}" & { side 1 fp8 build; probe 1 fp8 "${PROBE_FP8:-}"; } & wait ;;
+    p3) probe 0 bf16 "${PROBE_BF16:-}" & probe 1 fp8 "${PROBE_FP8:-}" & wait ;;
+    *) echo "unknown step $1 (1, 2, 3, 4, p1, p2 or p3)" >&2; exit 2 ;;
 esac
