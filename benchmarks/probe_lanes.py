@@ -1,14 +1,15 @@
-"""Probe (ledger: "H200 serving lanes", "H200 serving pace 3"): levers of the GPU's share under load against
-the config as it is, A/B in one process on one engine and detokenizer's batch: `load.detokenize_join` (a
-speaking stream with that many chunks waiting goes along with a held batch that goes anyway: streams' calls
-fall together), `load.later_below_decode` (the detokenizer's later lane one priority below the decode
-graphs: a decode step goes before a held codec batch where both wait for SMs) and `load.pace` (PROBE_PACE,
+"""Serving's A/B (`gpu_pair.sh` p2, p3; ledger: "H200 serving join", "H200 serving pace 3"): settings of
+the load benchmark against the config as it is, at chosen closed levels, in one process on one engine
+and detokenizer's batch. Arms: `load.detokenize_join` (a speaking stream with PROBE_JOIN chunks waiting
+goes along with a held batch that goes anyway: streams' calls fall together), `load.pace` (PROBE_PACE,
 a lead of PROBE_LEAD s: streams past their first PCM decoded at that many times real time, new streams
-stepping alone while none is due: wider steps and calls). The "below" arms run last: their lane's
-graphs are new, in a pool of their own, which stays. A line per level as it ends, then every level's
-figures as JSON.
+stepping alone while none is due: wider steps and calls) and `load.later_below_decode` (the
+detokenizer's later lane one priority below the decode graphs: a decode step goes before a held codec
+batch where both wait for SMs). The "below" arms run last: their lane's graphs are new, in a pool of
+their own, which stays. A line per level as it ends, then every level's figures as JSON, memory after
+the graphs made ahead (`prepared`) included.
 
-    PROBE_ARMS="base|join|below|pace" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_PACE=3 PROBE_LEAD=1.5 \
+    PROBE_ARMS="base|join|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_PACE=3 PROBE_LEAD=1.5 \
         python benchmarks/probe_lanes.py <engine dir> <out.json> [config.yaml ...]
 """
 
@@ -31,7 +32,7 @@ from workflow.serve import load
 
 JOIN = int(os.environ.get("PROBE_JOIN", "4"))  # under h200.yaml's hold of 8
 PACE = {"pace": float(os.environ.get("PROBE_PACE", "3")), "pace_lead_s": float(os.environ.get("PROBE_LEAD", "1.5"))}
-ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "below": {"later_below_decode": True}, "pace": PACE,
+ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "below": {"later_below_decode": True},
         "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
 LEVELS = [int(n) for n in os.environ.get("PROBE_LEVELS", "48,64").split(",")]
@@ -86,6 +87,8 @@ def main() -> None:
         lc = load.LoadConfig.from_dict(p["load"] | over)
         r = load.run(engine, detokenize, time.perf_counter, lc, ids, p["chunk_tokens"], sampling_of(p))
         results[name] = {"prepared": r["prepared"], "levels": r["levels"], "lane_priorities": r["lane_priorities"]}
+        if "memory" in r["prepared"]:  # CUDA only: where the device's memory went, graphs made ahead
+            print(f"{name}: memory after prepare {json.dumps(r['prepared']['memory'])}", flush=True)
         for lv in r["levels"]:
             print(line(name, lv), flush=True)
         faulthandler.cancel_dump_traceback_later()
