@@ -100,7 +100,7 @@ def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d):
     b, h, pool, ix = call(c, heads, d, device, dtype)
     theirs_pool, ours_pool = pool.clone(), pool.clone()
     torch_path = types.SimpleNamespace(kernels=False, qkv=slots.qkv, out=slots.out)
-    view = types.SimpleNamespace(kv={b.attn1: theirs_pool}, ix=ix)
+    view = types.SimpleNamespace(kv={b.attn1: theirs_pool}, ix=ix, scale={})
     with torch.no_grad():
         theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
         ours = kernels.block(b, h, ours_pool, ix.keys, ix.writes, ix.starts, ix.valid, 8)
@@ -121,7 +121,7 @@ def test_a_seeded_bug_fails_it(device):
     b, h, pool, ix = call(32, 2, 16, device, dtype)
     torch_path = types.SimpleNamespace(kernels=False, qkv=slots.qkv, out=slots.out)
     with torch.no_grad():
-        view = types.SimpleNamespace(kv={b.attn1: pool.clone()}, ix=ix)
+        view = types.SimpleNamespace(kv={b.attn1: pool.clone()}, ix=ix, scale={})
         theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
         ours = kernels.block(b, h, pool.clone(), ix.keys, ix.writes, ix.starts, ix.valid, 1 << 20)
     assert (ours[0, :4].float() - theirs[0, :4].float()).abs().max() > 0.05

@@ -210,10 +210,11 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
             slots=t.slots, max_codes=max(p["num_tokens"], load_cfg.longest_codes if load_cfg else 0), later_frames=held,
-            pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN),
+            pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN), fp8_pages=t.fp8_pages,
         )  # fmt: skip
-        slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames, batch.pages) if t.slots else 0
+        slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames, batch.pages, t.fp8_pages) if t.slots else 0
         pool = f", pages for {t.pool_seconds:g} s of audio in all" if t.pool_seconds else ""
+        pool += ", keys and values in float8" if t.fp8_pages else ""
         cached = (
             f"each call solves only its new frames against its stream's flow slot ({t.slots} slots{pool}, "
             f"{slot_bytes / 2**30:.1f} GiB; streams past them re-run every frame)"
@@ -233,6 +234,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
             "kernels": decoder.kernels,
             "slots": t.slots,
             "pool_seconds": t.pool_seconds,
+            "fp8_pages": t.fp8_pages,
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
             f"{'the voice of ' + t.voice if t.voice else 'a random voice'}, {t.dtype}; "

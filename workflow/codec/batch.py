@@ -54,7 +54,7 @@ class CodecBatch:
     def __init__(
         self, decoder: CodecDecoder, voice: VoicePrompt, bucket: Callable[[int], int] = lambda n: n,
         pad_frames: int = 0, graphs: bool = False, slots: int = 0, max_codes: int = 0, later_frames: int = 0,
-        pool_codes: int = 0,
+        pool_codes: int = 0, fp8_pages: bool = False,
     ):  # fmt: skip
         """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
         shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
@@ -65,7 +65,7 @@ class CodecBatch:
         to whole chunks): a solve costs nearly the same for one chunk as for three (levers.md, "H100 codec
         11"), so serving's held chunks go as one round, not one per `new_frames`. pool_codes: the codes'
         frames the slots' pages hold in all (0: every slot its `max_codes`; fewer: more slots in the same
-        memory, streams taking pages as they grow)."""
+        memory, streams taking pages as they grow); fp8_pages: their keys and values in float8."""
         if pad_frames % decoder.stride:
             raise ValueError(f"pad_frames must be a multiple of {decoder.stride} frames (a code's), got {pad_frames}")
         self.decoder, self.voice, self.bucket, self.pad_frames = decoder, voice.to(decoder.device), bucket, pad_frames
@@ -73,7 +73,7 @@ class CodecBatch:
         self.streams: dict[int, CodecStream] = {}
         self.keys = KEYS  # the last key handed out by new_key
         self.graphs = Graphs(decoder.device) if graphs and decoder.device.type == "cuda" else None
-        self.slot_count, self.slot_frames, self.base, self.pages = slots, 0, 0, 0
+        self.slot_count, self.slot_frames, self.base, self.pages, self.fp8_pages = slots, 0, 0, 0, fp8_pages
         self.pass_rows = slots  # the most rows a HiFT pass takes (0: all); `CodecLanes.warm`: the rows it made graphs for
         self.make_last = False  # `CodecLanes.warm`: last calls' HiFT passes captured too (`_graphed`)
         self.last_rows = 0  # the most rows a last call's flow or HiFT pass takes (0: as any other's); `warm`: its `few`
@@ -94,7 +94,7 @@ class CodecBatch:
     def flow_slots(self) -> FlowSlots:
         """The slots (made at the first call)."""
         if self.slots is None:
-            self.slots = FlowSlots(self.decoder, self.voice, self.slot_count, self.slot_frames, self.pages)
+            self.slots = FlowSlots(self.decoder, self.voice, self.slot_count, self.slot_frames, self.pages, self.fp8_pages)
         return self.slots
 
     def frames_for(self, codes: int) -> int:

@@ -68,13 +68,14 @@ if triton is not None:
 
     @triton.jit
     def _linear(
-        x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, be_ptr, pool_ptr, wr_ptr, M, eps,
+        x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, be_ptr, pool_ptr, wr_ptr, ps_ptr, M, eps,
         N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         NORM: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr,
-        PRECISION: tl.constexpr, GDC: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+        PRECISION: tl.constexpr, GDC: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """y = [GELU](LayerNorm?(x) @ w.T + b) [+ r] over x [M, K], w [N, K]. SPLIT > 0: columns < SPLIT
-        go to y [M, SPLIT], the rest to the pool's frame wr[m] (N - SPLIT values a frame). NORM: the
+        go to y [M, SPLIT], the rest to the pool's frame wr[m] (N - SPLIT values a frame); FP8: divided by
+        ps [N - SPLIT] (the pool's scale, a frame's layout) and saturated to e4m3 first. NORM: the
         whole row in one block (BK >= K). GDC: a dependent launch (the weights fetched before the wait;
         without NORM, the program's weight rows into L2, LINES lines of LINE values each)."""
         m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -122,7 +123,13 @@ if triton is not None:
             tl.store(y_ptr + m[:, None] * SPLIT + n[None, :], y, mask=ok & (n < SPLIT)[None, :])
             frame = tl.load(wr_ptr + m, mask=m_ok, other=0)
             at = pool_ptr + frame[:, None] * (N - SPLIT) + (n - SPLIT)[None, :]
-            tl.store(at, y, mask=ok & (n >= SPLIT)[None, :])
+            to_pool = ok & (n >= SPLIT)[None, :]
+            if FP8:
+                sc = tl.load(ps_ptr + (n - SPLIT), mask=n_ok & (n >= SPLIT), other=1.0)
+                f8 = tl.minimum(tl.maximum(y.to(tl.float32) / sc[None, :], -448.0), 448.0)
+                tl.store(at, f8.to(pool_ptr.dtype.element_ty), mask=to_pool)
+            else:
+                tl.store(at, y, mask=to_pool)
         else:
             tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=ok)
 
@@ -134,16 +141,19 @@ if triton is not None:
         )
 
     @triton.jit
-    def _keys(q, kv, keys, j0, hi, sees, scale, m_i, l_i, acc, inner: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-              BK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    def _keys(q, kv, sc, keys, j0, hi, sees, scale, m_i, l_i, acc, inner: tl.constexpr, D: tl.constexpr,
+              DP: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
         """One block of keys j0 .. j0 + BK (those < hi) into the online softmax of q [BQ, DP]: key j's k
-        at kv + keys[j] * 2 * inner, its v `inner` values on; query i sees keys j < sees[i]."""
+        at kv + keys[j] * 2 * inner, its v `inner` values on; query i sees keys j < sees[i]. FP8: k and v
+        times their scales at sc and sc + inner."""
         d = tl.arange(0, DP)
         d_ok = d < D
         j = j0 + tl.arange(0, BK)
         j_ok = j < hi
         frame = tl.load(keys + j, mask=j_ok, other=0)
         kt = tl.load(kv + frame[None, :] * (2 * inner) + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        if FP8:
+            kt = (kt.to(tl.float32) * tl.load(sc + d, mask=d_ok, other=0.0)[:, None]).to(q.dtype)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale
         ok = j_ok[None, :] & (j[None, :] < sees[:, None])
         s = tl.where(ok, s, -1.0e30)
@@ -151,18 +161,21 @@ if triton is not None:
         alpha = tl.exp2(m_i - m_new)
         p = tl.where(ok, tl.exp2(s - m_new[:, None]), 0.0)
         v = tl.load(kv + frame[:, None] * (2 * inner) + inner + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP8:
+            v = (v.to(tl.float32) * tl.load(sc + inner + d, mask=d_ok, other=0.0)[None, :]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
     @triton.jit
     def _attention(
-        q_ptr, pool_ptr, keys_ptr, starts_ptr, valid_ptr, y_ptr, Q, KEYS, scale,
+        q_ptr, pool_ptr, ps_ptr, keys_ptr, starts_ptr, valid_ptr, y_ptr, Q, KEYS, scale,
         H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHUNK: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, STOP: tl.constexpr, KMAX: tl.constexpr,
-        GDC: tl.constexpr,
+        GDC: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """y [R * Q, H * D] of q [R * Q, H * D] against each row's keys: pool frame keys[r, j] holds
-        key j's k (its first H * D values) and v (the next H * D). STOP: the loop ends at the last key
+        key j's k (its first H * D values) and v (the next H * D); FP8: in e4m3, times ps (a frame's
+        layout) as read. STOP: the loop ends at the last key
         the program's queries see, else (Triton's interpreter, which cannot loop to a bound it did not
         get as a constant) over all KMAX keys, the later ones masked. GDC: a dependent launch (every
         input is an activation or an index: it waits first)."""
@@ -183,13 +196,13 @@ if triton is not None:
         m_i = tl.zeros((BQ,), tl.float32) - 1.0e30
         l_i = tl.zeros((BQ,), tl.float32)
         acc = tl.zeros((BQ, DP), tl.float32)
-        keys, kv = keys_ptr + r * KEYS, pool_ptr + h * D
+        keys, kv, sc = keys_ptr + r * KEYS, pool_ptr + h * D, ps_ptr + h * D
         if STOP:
             for j0 in range(0, hi, BK):
-                m_i, l_i, acc = _keys(q, kv, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION)
+                m_i, l_i, acc = _keys(q, kv, sc, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION, FP8)
         else:
             for j0 in range(0, KMAX, BK):
-                m_i, l_i, acc = _keys(q, kv, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION)
+                m_i, l_i, acc = _keys(q, kv, sc, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION, FP8)
         y = acc / l_i[:, None]
         out = y_ptr + (r * Q + i)[:, None] * inner + h * D + d[None, :]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
@@ -266,10 +279,12 @@ def tile(m: int, n: int, k: int, norm: bool) -> Tile:
 def linear(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: torch.nn.LayerNorm | None = None, gelu: bool = False,
     residual: Tensor | None = None, pool: Tensor | None = None, writes: Tensor | None = None, blocking: Tile | None = None,
+    pool_scale: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, K] -> [M, N]: LayerNorm `norm` first, then x @ weight.T + bias, then GELU, then + residual.
     With `pool` and `writes` [M]: only the first N - (pool's frame width) columns are returned, the rest
-    go to pool frame writes[m] (flat index into the pool's first dimension)."""
+    go to pool frame writes[m] (flat index into the pool's first dimension); an fp8 pool's values
+    divided by `pool_scale` (a frame's layout, slots.to_page)."""
     m, k = x.shape
     n = weight.shape[0]
     split = n - pool[0].numel() if pool is not None else 0
@@ -281,44 +296,49 @@ def linear(
     _linear[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, y,
         norm.weight if norm is not None else dummy, norm.bias if norm is not None else dummy,
-        pool if pool is not None else dummy, writes if writes is not None else dummy, m,
+        pool if pool is not None else dummy, writes if writes is not None else dummy,
+        pool_scale if pool_scale is not None else dummy, m,
         norm.eps if norm is not None else 0.0, N=n, K=k, BM=blk.bm, BN=blk.bn, BK=blk.bk, NORM=norm is not None,
         BIAS=bias is not None, GELU=gelu, RES=residual is not None, SPLIT=split, PRECISION=_precision(x),
-        LINE=line, LINES=_pow2(triton.cdiv(k, line), 1), num_warps=blk.warps, num_stages=blk.stages, **_launch(x),
+        LINE=line, LINES=_pow2(triton.cdiv(k, line), 1), FP8=pool_scale is not None, num_warps=blk.warps,
+        num_stages=blk.stages, **_launch(x),
     )  # fmt: skip
     return y
 
 
 def attention(
     q: Tensor, pool: Tensor, keys: Tensor, starts: Tensor, valid: Tensor, chunk: int,
-    bq: int = 0, bk: int = BLOCK_KEYS, warps: int = ATTENTION_WARPS,
+    bq: int = 0, bk: int = BLOCK_KEYS, warps: int = ATTENTION_WARPS, scale: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """q [R, Q, H, D]; pool [frames, 2, H, D]; keys [R, K] (pool frames), starts and valid [R] -> [R, Q, H * D].
+    scale [2, H, D]: an fp8 pool's (slots.from_page).
     bq: queries a program (0: 16 for a few rows, 64 for many, the faster on an H100)."""
     r, nq, h, d = q.shape
     bq = bq or (16 if r * nq <= 256 else 64)
     y = q.new_empty(r, nq, h * d)
     grid = (r, h, triton.cdiv(nq, bq))
     _attention[grid](
-        q, pool, keys, starts, valid, y, nq, keys.shape[1], d**-0.5 * 1.4426950408889634, H=h, D=d, DP=_pow2(d),
-        CHUNK=chunk, BQ=bq, BK=bk, PRECISION=_precision(q),
-        STOP=q.is_cuda, KMAX=0 if q.is_cuda else keys.shape[1], num_warps=warps, **_launch(q),
+        q, pool, pool if scale is None else scale, keys, starts, valid, y, nq, keys.shape[1], d**-0.5 * 1.4426950408889634,
+        H=h, D=d, DP=_pow2(d), CHUNK=chunk, BQ=bq, BK=bk, PRECISION=_precision(q),
+        STOP=q.is_cuda, KMAX=0 if q.is_cuda else keys.shape[1], FP8=scale is not None, num_warps=warps, **_launch(q),
     )  # fmt: skip
     return y
 
 
 def block(
-    b: torch.nn.Module, h: Tensor, pool: Tensor, keys: Tensor, writes: Tensor, starts: Tensor, valid: Tensor, chunk: int
+    b: torch.nn.Module, h: Tensor, pool: Tensor, keys: Tensor, writes: Tensor, starts: Tensor, valid: Tensor, chunk: int,
+    scale: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """A TransformerBlock (estimator.py) over h [R, Q, C], as slots.SlotPass.transformer computes it:
-    the new keys and values written to pool frames `writes` [R, Q], every key read from pool frames `keys`.
+    the new keys and values written to pool frames `writes` [R, Q], every key read from pool frames `keys`
+    (an fp8 pool: `scale` its scale).
     The LayerNorms stay in their GEMMs at any rows: apart (torch's LayerNorm, then a GEMM pipelined
     over K) they never won on an H100 from 80 to 7,680 rows (levers.md, "H100 codec tiles")."""
     r, nq, c = h.shape
     a, ff = b.attn1, b.ff.net
     x = h.reshape(r * nq, c).contiguous()
-    q = linear(x, a.qkv.weight, norm=b.norm1, pool=pool, writes=writes.reshape(-1))
-    y = attention(q.view(r, nq, a.heads, -1), pool, keys, starts, valid, chunk)
+    q = linear(x, a.qkv.weight, norm=b.norm1, pool=pool, writes=writes.reshape(-1), pool_scale=scale)
+    y = attention(q.view(r, nq, a.heads, -1), pool, keys, starts, valid, chunk, scale=scale)
     h = linear(y.view(r * nq, -1), a.to_out[0].weight, a.to_out[0].bias, residual=x)
     g = linear(h, ff[0].proj.weight, ff[0].proj.bias, norm=b.norm3, gelu=True)
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)

@@ -21,7 +21,11 @@ row's chunk mask, shifted by the row's first frame. Frames a call writes past it
 (its padding) lie after every frame the row has: masked until the next call writes them over.
 
 Memory is what bounds it: at the true shape in bf16, 10 steps x 56 attentions x keys and values of
-512 values x 2 rows is ~2.3 MB a frame (docs/codec.md, "The flow cache")."""
+512 values x 2 rows is ~2.3 MB a frame (docs/codec.md, "The flow cache"). With `fp8` the keys' and
+values' pools hold float8 e4m3, half that: each value divided by its (key or value, head)'s scale,
+PAGE_MARGIN x the largest the voice prompt's past holds there over e4m3's largest, so that values up
+to that margin past the prompt's keep e4m3's 3 mantissa bits and larger ones saturate; every read
+multiplies it back."""
 
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ from workflow.codec.fast import ALIGN, compile_block, conv, windowed
 from workflow.codec.solver import solve
 
 PAGE = 40  # frames a page of the pools holds (two chunks of 5 codes at 4 frames a code)
+FP8_MAX = 448.0  # e4m3's largest finite value
+PAGE_MARGIN = 2.0  # with fp8: keys and values up to this many times the prompt's largest keep their precision
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,11 @@ class SlotIndex:
 
 class FlowSlots:
     """`slots` streams' flow pasts of up to `frames` frames each (after the prompt's past) in one voice,
-    in `pages` pages of PAGE frames (0: enough for every slot's `frames`)."""
+    in `pages` pages of PAGE frames (0: enough for every slot's `frames`); fp8: keys and values in float8."""
 
-    def __init__(self, decoder: CodecDecoder, prompt: VoicePrompt, slots: int, frames: int, pages: int = 0) -> None:
+    def __init__(
+        self, decoder: CodecDecoder, prompt: VoicePrompt, slots: int, frames: int, pages: int = 0, fp8: bool = False
+    ) -> None:
         cfg, est = decoder.cfg, decoder.estimator
         if slots < 1 or frames < 1:
             raise ValueError(f"flow slots: need at least one slot of one frame, got {slots} of {frames}")
@@ -85,14 +93,20 @@ class FlowSlots:
             self.offset[c], w = w, w + self.width[c]
         dev, dtype = decoder.device, est.final_proj.weight.dtype
         h, heads, d = self.halves, est.cfg.heads, est.cfg.head_dim
+        if fp8 and not all(p.keys for p in past):
+            raise ValueError("flow slots: fp8 pages take their scales from the voice prompt's past, and this prompt has none")
         self.fixed = 2 * h * self.frames  # the prompt's rows and the scratch's, then the pages
         size = self.fixed + self.pages * h * PAGE
-        self.kv = [{a: torch.zeros(size, 2, heads, d, device=dev, dtype=dtype) for a in self.attn} for _ in past]
+        kv_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.kv = [{a: torch.zeros(size, 2, heads, d, device=dev, dtype=kv_dtype) for a in self.attn} for _ in past]
+        # with fp8: each pool's scale [2, heads, d], a frame's layout (the kernels index it as they index a frame)
+        self.scale = [{a: page_scale(*p.keys[a]) for a in self.attn} for p in past] if fp8 else None
         self.tails = [torch.zeros(h * (2 + 2 * slots), w, device=dev, dtype=dtype) for _ in past]
         for step, p in enumerate(past):  # the prompt's rows: its past, once
             for a, (k, v) in p.keys.items():
                 rows = self.kv[step][a][: self.fixed].view(2 * h, self.frames, 2, heads, d)
-                rows[:h, : self.base] = torch.stack([k, v], 2).transpose(1, 3)
+                kv = torch.stack([k, v], 2).transpose(1, 3)
+                rows[:h, : self.base] = to_page(kv, self.scale[step][a]) if self.scale else kv
             for c, x in p.convs.items():
                 self.tails[step][:h, self.offset[c] : self.offset[c] + self.width[c]] = x.flatten(1)
         self.noise = decoder.noise.buffer.to(dev)  # [1, mels, frames], read per row inside a graph
@@ -104,14 +118,15 @@ class FlowSlots:
         )
 
     @staticmethod
-    def size(decoder: CodecDecoder, slots: int, frames: int, pages: int = 0) -> int:
-        """The bytes `FlowSlots(decoder, <a prompt whose past fits a slot>, slots, frames, pages)` holds."""
+    def size(decoder: CodecDecoder, slots: int, frames: int, pages: int = 0, fp8: bool = False) -> int:
+        """The bytes `FlowSlots(decoder, <a prompt whose past fits a slot>, slots, frames, pages, fp8)` holds."""
         cfg, est = decoder.cfg, decoder.estimator
         h = 2 if cfg.solver.cfg_rate != 0 else 1
         rows = 2 * h * frames + (pages or slots * -(-frames // PAGE)) * h * PAGE
         kv = len(est.transformer_blocks()) * rows * 2 * est.cfg.heads * est.cfg.head_dim
         tails = h * (2 + 2 * slots) * sum(m.left * m.in_channels for m in est.modules() if isinstance(m, CausalConv1d))
-        return cfg.solver.steps * (kv + tails) * est.final_proj.weight.element_size()
+        size = est.final_proj.weight.element_size()
+        return cfg.solver.steps * (kv * (1 if fp8 else size) + tails * size)
 
     def take(self) -> int:
         """A free slot for a new stream (its pages come as its frames grow: `grow`). On CUDA the current
@@ -225,6 +240,22 @@ class FlowSlots:
         return solve(self.velocity, mu, mask, spks, cond, solver, True, dec.noise, views, x0=x0)
 
 
+def page_scale(k: Tensor, v: Tensor) -> Tensor:
+    """A pool's fp8 scale [2, heads, d] from the prompt's past keys and values [h, heads, frames, d]: per
+    (key or value, head), PAGE_MARGIN x their largest magnitude over FP8_MAX, the same for every d."""
+    amax = torch.stack([k, v]).float().abs().amax(dim=(1, 3, 4)).clamp(min=1e-6)  # [2, heads]
+    return (amax * PAGE_MARGIN / FP8_MAX)[..., None].expand(-1, -1, k.shape[-1]).contiguous()
+
+
+def to_page(x: Tensor, scale: Tensor) -> Tensor:
+    """Keys and values [..., 2, heads, d] as an fp8 pool stores them (saturating past FP8_MAX)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def from_page(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return (x.float() * scale).to(dtype)
+
+
 def tail_at(x: Tensor, valid: Tensor, left: int) -> Tensor:
     """x [R, left + Q, C], a convolution's input with its left context: each row's last `left` valid
     input frames [R, left, C] (row r's valid frames end at valid[r])."""
@@ -252,6 +283,7 @@ class SlotView:
     def __init__(self, slots: FlowSlots, step: int, ix: SlotIndex, bias: Tensor | None) -> None:
         self.slots, self.ix, self.bias = slots, ix, bias
         self.kv = slots.kv[step]
+        self.scale = slots.scale[step] if slots.scale else {}  # fp8 pages: each pool's scale
         self.pool = slots.tails[step]
         self.before = self.pool[ix.tails_in]  # [R, width]
         self.kept: dict[nn.Module, Tensor] = {}
@@ -319,13 +351,15 @@ class SlotPass:
     def transformer(self, b: TransformerBlock, h: Tensor, bias: Tensor | None, view: SlotView) -> Tensor:
         """A transformer block over [R, Q, C] whose keys are the row's past frames and its own: the new
         keys and values written to the row's pool frames first, then every key frame gathered."""
+        scale = view.scale.get(b.attn1)
         if self.kernels:
             ix = view.ix
-            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk)
+            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk, scale)
         x = self.qkv(b, h)
         pool = view.kv[b.attn1]
-        pool.index_put_((view.ix.writes,), x[:, :, 1:])
+        pool.index_put_((view.ix.writes,), x[:, :, 1:] if scale is None else to_page(x[:, :, 1:], scale))
         kv = pool[view.ix.keys]  # [R, K, 2, heads, d]
+        kv = kv if scale is None else from_page(kv, scale, x.dtype)
         y = F.scaled_dot_product_attention(
             x[:, :, 0].transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), attn_mask=bias
         )

@@ -78,6 +78,7 @@ class CodecTiming:
     kernels: bool = True  # CUDA only: the flow slots' transformer blocks as Triton kernels (kernels.py)
     slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
     pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
+    fp8_pages: bool = False  # the slots' keys and values in float8 e4m3 (slots.py): half the memory a second of audio
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
     voice: str | None = None  # None: a random voice; a voice file (voice.py), whose codes are prompt_codes (from_dict)
 
@@ -215,13 +216,15 @@ class SlotRunner(Runner):
     before `start` (solved before timing, in one call). A timed call is run again as it was: no slot
     advances."""
 
-    def __init__(self, dec: CodecDecoder, voice: VoicePrompt, batch: int, body: int, graphs: bool, new: int, start: int):
+    def __init__(
+        self, dec: CodecDecoder, voice: VoicePrompt, batch: int, body: int, graphs: bool, new: int, start: int, fp8: bool = False
+    ) -> None:
         super().__init__(dec, batch, body, len(voice.codes), graphs)
         self.tokens[:, : len(voice.codes)] = voice.codes.to(dec.device)
         self.mu = self.front_end()
         base = dec.past_frames(len(voice.codes))
         self.start, rows = start, list(range(batch))
-        self.slots = FlowSlots(dec, voice, batch, self.frames + new - base)
+        self.slots = FlowSlots(dec, voice, batch, self.frames + new - base, fp8=fp8)
         if start > base:
             earlier = self.slots.index(rows, [base] * batch, [start] * batch, start - base, self.frames)
             with torch.no_grad():
@@ -298,7 +301,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
 
     def runner(variant: str, dec: CodecDecoder, batch: int, call: str, use_graphs: bool) -> Runner:
         if variant == "ours, slots":
-            return SlotRunner(dec, voice, batch, calls[call], use_graphs, new, cached[call])
+            return SlotRunner(dec, voice, batch, calls[call], use_graphs, new, cached[call], t.fp8_pages)
         return Runner(dec, batch, calls[call], t.prompt_codes, use_graphs, cached[call] if variant == "ours, flow cache" else 0)
 
     rows = []
@@ -320,7 +323,8 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     if t.slots and t.held > 1:  # a held batch's call: its chunks' frames in one round, as CodecBatch solves them
         held = t.held * cf
         for batch in (b for b in t.batches if b <= t.slots):
-            slotted = SlotRunner(ours, voice, batch, calls["later"], graphs, max(new, held), cached["later"] - held + cf)
+            start = cached["later"] - held + cf
+            slotted = SlotRunner(ours, voice, batch, calls["later"], graphs, max(new, held), start, t.fp8_pages)
             slotted.hift_rows(t.held)
             timed("ours, slots", f"later, {t.held} held", batch, calls["later"], slotted)
             del slotted  # its graphs go now, not inside another's capture (close)
