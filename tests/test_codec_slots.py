@@ -267,6 +267,22 @@ def batch_rows(decoder: CodecDecoder, voice: VoicePrompt, calls: list[list[int]]
     return tokens, torch.tensor([len(b) for b in bodies]), context, [len(b) * decoder.stride for b in bodies]
 
 
+def two_calls(slots: FlowSlots, device: str) -> list[torch.Tensor]:
+    """Two batched calls on these slots, rows at different starts (a stream's second call beside another's
+    first): each row's new mel frames."""
+    dec, voice, mels = slots.decoder, slots.prompt, []
+    g = torch.Generator().manual_seed(4)
+    a, b, c = (torch.randint(0, 1000, (16,), generator=g).tolist() for _ in range(3))
+    with torch.inference_mode():
+        for calls, rows, starts in (([a[:11], b[:11]], [0, 1], [20, 20]), ([a, c[:11]], [0, 2], [80, 20])):
+            tokens, lengths, context, ends = batch_rows(dec, voice, calls)
+            ix = slots.index(rows, starts, ends, 60, tokens.shape[1] * dec.stride).tensors()
+            mel = slots.flow(*(t.to(device) for t in (tokens, lengths, context, *ix)))
+            slots.advance(rows)
+            mels += [mel[i, :, : e - s] for i, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    return mels
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
 )
@@ -286,19 +302,7 @@ def test_the_compiled_slot_pass_and_its_kernels_give_the_eager_ones_frames(decod
     eager = copy.deepcopy(decoder).to(device)
     other = CodecDecoder(decoder.cfg, **{variant: True}).eval().to(device)
     other.load_state_dict(eager.state_dict())
-    g = torch.Generator().manual_seed(4)
-    a, b, c = (torch.randint(0, 1000, (16,), generator=g).tolist() for _ in range(3))
-    got = []
-    for dec in (eager, other):
-        slots, mels = FlowSlots(dec, voice, slots=3, frames=120), []
-        with torch.inference_mode():
-            for calls, rows, starts in (([a[:11], b[:11]], [0, 1], [20, 20]), ([a, c[:11]], [0, 2], [80, 20])):
-                tokens, lengths, context, ends = batch_rows(dec, voice, calls)
-                ix = slots.index(rows, starts, ends, 60, tokens.shape[1] * dec.stride).tensors()
-                mel = slots.flow(*(t.to(device) for t in (tokens, lengths, context, *ix)))
-                slots.advance(rows)
-                mels += [mel[i, :, : e - s] for i, (s, e) in enumerate(zip(starts, ends, strict=True))]
-        got.append(mels)
+    got = [two_calls(FlowSlots(dec, voice, slots=3, frames=120), device) for dec in (eager, other)]
     assert getattr(other, variant.split(",")[0]) and not eager.compiled and not eager.kernels
     for want, mine in zip(*got, strict=True):
         torch.testing.assert_close(mine, want, rtol=0, atol=1e-5)
@@ -340,19 +344,10 @@ def test_fp8_pages_hold_a_quarter_of_float32s_bytes_and_give_frames_near_the_exa
         pytest.skip("needs triton, and on the CPU its interpreter (on where no GPU is: conftest)")
     dec = CodecDecoder(decoder.cfg, kernels=variant == "kernels").eval().to(device)
     dec.load_state_dict(decoder.state_dict())
-    g = torch.Generator().manual_seed(4)
-    a, b, c = (torch.randint(0, 1000, (16,), generator=g).tolist() for _ in range(3))
     got, kv_bytes = [], []
     for fp8 in (False, True):
-        slots, mels = FlowSlots(dec, voice, slots=3, frames=120, fp8=fp8), []
-        with torch.inference_mode():
-            for calls, rows, starts in (([a[:11], b[:11]], [0, 1], [20, 20]), ([a, c[:11]], [0, 2], [80, 20])):
-                tokens, lengths, context, ends = batch_rows(dec, voice, calls)
-                ix = slots.index(rows, starts, ends, 60, tokens.shape[1] * dec.stride).tensors()
-                mel = slots.flow(*(t.to(device) for t in (tokens, lengths, context, *ix)))
-                slots.advance(rows)
-                mels += [mel[i, :, : e - s] for i, (s, e) in enumerate(zip(starts, ends, strict=True))]
-        got.append(torch.cat([m.flatten() for m in mels]))
+        slots = FlowSlots(dec, voice, slots=3, frames=120, fp8=fp8)
+        got.append(torch.cat([m.flatten() for m in two_calls(slots, device)]))
         kv_bytes.append(sum(t.numel() * t.element_size() for step in slots.kv for t in step.values()))
         assert slots.nbytes() == FlowSlots.size(dec, 3, 120, fp8=fp8)
         assert all(t.dtype == (torch.float8_e4m3fn if fp8 else torch.float32) for step in slots.kv for t in step.values())
