@@ -15,6 +15,10 @@
 #   PROBE_BF16=48,64,80 PROBE_FP8=64,80,96 MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p2   # bf16 probe | FP8 build, probe
 #   PROBE_BF16=.. PROBE_FP8=.. PROBE_CONFIGS=<yaml ...> bash benchmarks/gpu_pair.sh p3   # again, other arms or settings
 #
+# e.g. pace with more streams open, their flow pages in float8 (twice the audio in h200.yaml's ~46 GB):
+#   printf 'benchmark:\n  load: {slots: 40}\n  codec: {slots: 40, pool_seconds: 720, fp8_pages: true}\n' > /tmp/wide.yaml
+#   PROBE_ARMS=pace PROBE_CONFIGS=/tmp/wide.yaml PROBE_BF16=64,80 PROBE_FP8=80,96 ... bash benchmarks/gpu_pair.sh p3
+#
 # A precision whose PROBE_<P> is empty is not probed. PROBE_CONFIGS are read after full.yaml and
 # MOSSBUILD_CONFIGFILE; the other PROBE_* settings go to probe_lanes.py as they are. Each probe stops at the
 # call's MOSSBUILD_STAGE_S; its lines are in $OUT/probe-<precision>.log, its levels in $OUT/probe-<precision>.json.
