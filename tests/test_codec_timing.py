@@ -100,6 +100,11 @@ def test_codec_settings_name_what_is_wrong():
     with pytest.raises(ValueError, match="later_codes: 20 codes hold fewer than the 8 chunks"):
         CodecTiming.from_dict({"later_codes": 20, "slots": 2, "held": 8})  # the held call would start in the voice prompt
     assert CodecTiming.from_dict({"later_codes": 40, "slots": 2, "held": 8}).held == 8
+    with pytest.raises(ValueError, match=r"fp8_pages: it stores the flow slots' pages, and benchmark\.codec\.slots is 0"):
+        CodecTiming.from_dict({"fp8_pages": True})
+    with pytest.raises(ValueError, match="fp8_pages: its scales come from the voice prompt's past, and 6 codes"):
+        CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 6})  # the tiny chunk 5, lookahead 3
+    assert CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 8}).fp8_pages
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

@@ -86,7 +86,15 @@ class CodecTiming:
         """The settings checked wherever they come from (`from_dict`, or `dataclasses.replace`)."""
         if self.preset not in PRESETS:
             raise ValueError(f"benchmark.codec.preset: '{self.preset}' is not one of {', '.join(PRESETS)}")
-        chunk = PRESETS[self.preset]().chunk
+        cfg = PRESETS[self.preset]()
+        chunk = cfg.chunk
+        if self.fp8_pages and not self.slots:
+            raise ValueError("benchmark.codec.fp8_pages: it stores the flow slots' pages, and benchmark.codec.slots is 0")
+        if self.fp8_pages and self.prompt_codes - cfg.encoder.lookahead < chunk:  # FlowSlots' scales: the prompt's past
+            raise ValueError(
+                f"benchmark.codec.fp8_pages: its scales come from the voice prompt's past, and {self.prompt_codes} codes "
+                f"hold no whole chunk past the lookahead ({chunk} + {cfg.encoder.lookahead} codes): raise prompt_codes"
+            )
         if self.later_codes % chunk:
             raise ValueError(f"benchmark.codec.later_codes: {self.later_codes} is not a multiple of the chunk ({chunk} codes)")
         if self.slots and self.held * chunk > self.later_codes:  # the held call's chunks end where the later call does
