@@ -60,8 +60,9 @@ CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_c
 side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
         MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
 both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
+cores() { local half=$(( $(nproc) / 2 )); echo "$(( $1 * half ))-$(( $1 * half + half - 1 ))"; }  # GPU i's half of the cores
 # tests <gpu> <log> <test ...>: pytest on GPU i with the i-th half of the cores, its output in $OUT/<log>
-tests() { local half=$(( $(nproc) / 2 )); CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(( $1 * half ))-$(( $1 * half + half - 1 ))" \
+tests() { CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(cores "$1")" \
               python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
 # a call whose earlier calls' outputs are not here met a fresh machine (the one held was given back, e.g. idle
 # 30 s between calls: H200 run 14): it stops at once, where redoing them would spend the session's device time
@@ -69,10 +70,10 @@ needs() { local f; for f in "$@"; do [ -e "results/full/$f" ] || {
     echo "step $step needs results/full/$f from the calls before it: this machine is fresh; start again at step ${step%%[0-9]*}1" >&2; exit 3; }; done; }
 # probe <gpu> <precision> <levels>: probe_lanes.py on that precision's engine until the call's stage ends
 deadline=$(( SECONDS + ${MOSSBUILD_STAGE_S:-560} ))
-probe() { local half=$(( $(nproc) / 2 )) left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
+probe() { local left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
           [ "$left" -gt 60 ] || { echo "probe $2: ${left} s of the stage left, not started" >> "$OUT/probe-$2.log"; return 0; }
           CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. PROBE_LEVELS=$3 timeout "$left" \
-              taskset -c "$(( $1 * half ))-$(( $1 * half + half - 1 ))" python3 benchmarks/probe_lanes.py \
+              taskset -c "$(cores "$1")" python3 benchmarks/probe_lanes.py \
               "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
               > "$OUT/probe-$2.log" 2>&1 || echo "probe $2 exit $?" >> "$OUT/probe-$2.log"; }
 step=${1:?step 1, 2, 3 or 4 (a run of record), or p1, p2 or p3 (a serving A/B)}

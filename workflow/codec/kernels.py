@@ -141,11 +141,11 @@ if triton is not None:
         )
 
     @triton.jit
-    def _keys(q, kv, sc, keys, j0, hi, sees, scale, m_i, l_i, acc, inner: tl.constexpr, D: tl.constexpr,
+    def _keys(q, kv, ks, vs, keys, j0, hi, sees, scale, m_i, l_i, acc, inner: tl.constexpr, D: tl.constexpr,
               DP: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
         """One block of keys j0 .. j0 + BK (those < hi) into the online softmax of q [BQ, DP]: key j's k
         at kv + keys[j] * 2 * inner, its v `inner` values on; query i sees keys j < sees[i]. FP8: k and v
-        times their scales at sc and sc + inner."""
+        times their scales ks and vs [DP]."""
         d = tl.arange(0, DP)
         d_ok = d < D
         j = j0 + tl.arange(0, BK)
@@ -153,7 +153,7 @@ if triton is not None:
         frame = tl.load(keys + j, mask=j_ok, other=0)
         kt = tl.load(kv + frame[None, :] * (2 * inner) + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
         if FP8:
-            kt = (kt.to(tl.float32) * tl.load(sc + d, mask=d_ok, other=0.0)[:, None]).to(q.dtype)
+            kt = (kt.to(tl.float32) * ks[:, None]).to(q.dtype)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale
         ok = j_ok[None, :] & (j[None, :] < sees[:, None])
         s = tl.where(ok, s, -1.0e30)
@@ -162,7 +162,7 @@ if triton is not None:
         p = tl.where(ok, tl.exp2(s - m_new[:, None]), 0.0)
         v = tl.load(kv + frame[:, None] * (2 * inner) + inner + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
         if FP8:
-            v = (v.to(tl.float32) * tl.load(sc + inner + d, mask=d_ok, other=0.0)[None, :]).to(q.dtype)
+            v = (v.to(tl.float32) * vs[None, :]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
@@ -196,13 +196,19 @@ if triton is not None:
         m_i = tl.zeros((BQ,), tl.float32) - 1.0e30
         l_i = tl.zeros((BQ,), tl.float32)
         acc = tl.zeros((BQ, DP), tl.float32)
-        keys, kv, sc = keys_ptr + r * KEYS, pool_ptr + h * D, ps_ptr + h * D
+        keys, kv = keys_ptr + r * KEYS, pool_ptr + h * D
+        if FP8:  # the head's key and value scales, read once a program
+            ks = tl.load(ps_ptr + h * D + d, mask=d_ok, other=0.0)
+            vs = tl.load(ps_ptr + inner + h * D + d, mask=d_ok, other=0.0)
+        else:
+            ks = tl.zeros((DP,), tl.float32)
+            vs = ks
         if STOP:
             for j0 in range(0, hi, BK):
-                m_i, l_i, acc = _keys(q, kv, sc, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION, FP8)
+                m_i, l_i, acc = _keys(q, kv, ks, vs, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION, FP8)
         else:
             for j0 in range(0, KMAX, BK):
-                m_i, l_i, acc = _keys(q, kv, sc, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION, FP8)
+                m_i, l_i, acc = _keys(q, kv, ks, vs, keys, j0, hi, sees, scale, m_i, l_i, acc, inner, D, DP, BK, PRECISION, FP8)
         y = acc / l_i[:, None]
         out = y_ptr + (r * Q + i)[:, None] * inner + h * D + d[None, :]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
