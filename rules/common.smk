@@ -2,8 +2,8 @@
 # Imports stay light (no torch): this file is read on every start, and by every SLURM job.
 
 import ast
-import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -110,14 +110,50 @@ def code(module):
             continue  # none, or seen already and this import adds nothing
         called[path] = calls
         todo += [(".".join(parts[:i]), False) for i in range(1, len(parts))]
-        todo += [(target, True) for target in workflow_imports(path, calls)]
+        todo += [(target, True) for target in IMPORTS.of(path, calls)]
+    IMPORTS.save()
     return sorted(str(p) for p in called)
 
 
-@functools.cache
+class ImportIndex:
+    """The workflow modules each module file imports, kept by file size and mtime in
+    .snakemake/mossbuild/imports.json: every start (a no-op run, each SLURM job) needs them for
+    every rule, and parsing every module again would be a sixth of a no-op run's time. The file
+    is only a cache: unreadable, it is rebuilt; unwritable, the modules are parsed each start.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.known = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+        self.changed = False
+
+    def of(self, module, in_functions):
+        stat = module.stat()
+        stamp, key = [stat.st_mtime_ns, stat.st_size], f"{module}:{int(in_functions)}"
+        hit = self.known.get(key)
+        if not (isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp):
+            hit = self.known[key] = [stamp, workflow_imports(module, in_functions)]
+            self.changed = True
+        return hit[1]
+
+    def save(self):
+        if not self.changed:
+            return
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.known))
+            os.replace(tmp, self.path)
+            self.changed = False
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+
 def workflow_imports(path, in_functions):
-    """The workflow modules (and names from them) a module file imports: parsed once per
-    file, not once per rule (every DAG build, a no-op run included, pays for it)."""
+    """The workflow modules (and names from them) a module file imports."""
     found = []
     for node in imports(ast.parse(path.read_text()), in_functions):
         if isinstance(node, ast.Import):
@@ -125,6 +161,9 @@ def workflow_imports(path, in_functions):
         elif (node.module or "").startswith("workflow"):
             found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
     return found
+
+
+IMPORTS = ImportIndex(".snakemake/mossbuild/imports.json")
 
 
 # where statements nest: the fields of a node that hold statement lists

@@ -238,6 +238,27 @@ def test_editing_code_reruns_what_uses_it_and_what_follows(chain, module, reruns
     assert chain.planned() == set()
 
 
+def test_a_new_import_makes_its_module_an_input_at_once(chain):
+    """Each module's imports are kept between starts (.snakemake/mossbuild/imports.json): a module
+    edited to import another has that one among its rule's inputs on the next start, not a stale list."""
+    path, vocoder = chain.repo / "workflow" / "pages.py", str(chain.repo / "workflow" / "vocoder.py")
+    text, st = path.read_bytes(), path.stat()
+
+    def pages_inputs() -> str:
+        r = chain.run("-n", "-R", "pages")
+        block = next(b for b in re.split(r"^(?=(?:local)?rule )", r.stdout, flags=re.M) if re.match(r"(?:local)?rule pages:", b))
+        return re.search(r"^    input: (.*)$", block, flags=re.M).group(1)
+
+    assert (chain.workdir / ".snakemake" / "mossbuild" / "imports.json").exists() and vocoder not in pages_inputs()
+    try:
+        path.write_bytes(text + b"import workflow.vocoder  # edited\n")
+        assert vocoder in pages_inputs()
+    finally:
+        path.write_bytes(text)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert vocoder not in pages_inputs() and chain.planned() == set()
+
+
 def test_a_new_synthetic_checkpoint_reruns_everything(chain):
     assert chain.planned("--config", "model={seed: 1}") == EVERYTHING
 
