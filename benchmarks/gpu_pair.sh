@@ -8,12 +8,16 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify, the rest of the codec's CUDA tests
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | GPU 0 free (a probe on bf16's engine)
 #
-# A serving A/B session (probe_lanes.py's arms, e.g. PROBE_ARMS=pace) builds engines only, in two calls, then
-# probes; a probe's first arm makes its graphs ahead (~205 s), then ~30-40 s a level:
+# A serving A/B session (probe_lanes.py's arms, e.g. PROBE_ARMS=pace) builds engines only, then probes; a
+# probe's first arm makes its graphs ahead (~205 s), then ~30-40 s a level:
 #
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p1   # download, convert, then bf16 build | FP8 calibrate (~480 s)
 #   PROBE_BF16=48,64,80 PROBE_FP8=64,80,96 MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p2   # bf16 probe | FP8 build, probe
 #   PROBE_BF16=.. PROBE_FP8=.. PROBE_CONFIGS=<yaml ...> bash benchmarks/gpu_pair.sh p3   # again, other arms or settings
+#
+# On a machine of one GPU (nvidia-h200) the A/B builds and probes one precision, PROBE_ONE (default fp8), with
+# every core: p1 download, convert and calibrate (bf16: build), p2 build (bf16: nothing) and its probe, p3 its
+# probe; the other precision's PROBE_<P> is ignored.
 #
 # e.g. pace with more streams open, their flow pages in float8 (twice the audio in h200.yaml's ~46 GB):
 #   printf 'benchmark:\n  load: {slots: 40}\n  codec: {slots: 40, pool_seconds: 720, fp8_pages: true}\n' > /tmp/wide.yaml
@@ -23,32 +27,19 @@
 # MOSSBUILD_CONFIGFILE; the other PROBE_* settings go to probe_lanes.py as they are. Each probe stops at the
 # call's MOSSBUILD_STAGE_S; its lines are in $OUT/probe-<precision>.log, its levels in $OUT/probe-<precision>.json.
 #
-# On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (24 flow slots, 360 s of pages: they do not fit
-# an H100, so ask the device tool for H200s only; gpu_pipeline.sh refuses the file on a smaller card), and
-# MOSSBUILD_STAGE_S=575 before call 3 and, before call 4, what the session's device time has left (H200 run
-# 17: 480, FP8's benchmark 351 s): graphs for 24 streams and the search's larger levels take longer than H100
-# run 20's benchmarks (bf16 ~420 s, FP8 ~360 s of the 560 s stage). bf16's search to 64 users (64, 48, 40)
-# took 508 s of call 3's 575 in H200 run 17; FP8's search on to 128 (128, 96, 80 after 64) took 419 s of
-# call 4 in run 18, so call 4 needs ~440 s.
+# On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (its flow slots and pages do not fit an H100's
+# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=575 before call 3 and, before call 4, what the
+# session's device time has left (FP8's search to 128 users takes ~420 s).
 #
-# Why: the session's device time counts the machine's held time, not its GPUs, and one after the other
-# the two precisions hold a machine ~2,500 s (two one-GPU machines: H100 run 18), more than a session has.
-# A precision's benchmark never runs beside the other's: in call 3 FP8 builds and verifies on its own GPU
-# and cores while bf16 is timed. H100 run 19 (the first two calls as one then): 371 / 456 / 353 s, the
-# machine held 1,360 s in all; H200 run 8 (h200.yaml): 189 / 346 / 409 / 345 s, held 1,343 s; H200
-# run 9 (hold 8: 261 detokenizer batches made ahead in ~150 s): 217 / 347 / 466 s, then FP8's
-# benchmark ~390 s of work; H200 run 10: 216 / 408 / 501 / 419 s, held 1,607 s of the session's
-# 1,800; H200 run 12 (bf16's benchmark 466 s, FP8's 359 s; a probe beside each of calls 3 and 4):
-# 212 / 353 / 472 / 501 s, held 1,646 s; H200 run 13 (the GEMV tuned at 5 row counts, no probe): 186 / 360 / 457 / 347 s,
-# held 1,425 s; H200 run 14 (the codec's CUDA tests after FP8's verify in call 3): 202 / 424 / 490 s; H200
-# run 15: 240 / 434 s, then the two-GPU machine was taken back (and no longer lent): a run may be lost so too;
-# H200 run 16: 231 / 437 s, then call 3, made within seconds, met a fresh machine; H200 run 17 (search to 64, a probe beside call 4
-# with MOSSBUILD_STAGE_S=480): 256 / 451 / 514 / 357 s, held 1,654 s; H200 run 18 (FP8's search to 128: 419 s
-# of call 4's 435): 243 / 496 / 527 / 425 s, held 1,770 s. Download and convert (~100 s) are a call of their own because bf16's
-# build (~250 s with the GEMV tuned at 1, 2 and 4 rows) and verify (~155 s) after them would come
-# near the stage limit; a call cut at MOSSBUILD_STAGE_S is run again as it is. Tuning at 8 and 16 rows
-# too (blocks.ROWS) adds ~25-35 s to a build on an H100 (levers.md, probe 36). Each side's output is
-# in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
+# Why two GPUs: the session's device time counts the machine's held time, not its GPUs, and one after the
+# other the two precisions hold a machine ~2,500 s, more than a session has; side by side they hold it
+# ~1,350-1,770 s (levers.md, "H100 run 19" to "H200 run 18", each call's time). A precision's benchmark
+# never runs beside the other's: in call 3 FP8 builds and verifies on its own GPU and cores while bf16 is
+# timed. Download and convert (~100 s) are a call of their own: bf16's build (~250 s) and verify (~155 s)
+# after them would come near the stage limit. A call cut at MOSSBUILD_STAGE_S is run again as it is (the
+# rules it finished are cached). The machine is given back after 30 s idle: make each call as soon as the
+# last returns; a call whose earlier calls' outputs are missing stops at once (`needs`). Each side's output
+# is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
 # the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's and
 # the flow slots' first, beside convert (the builds that follow tune the GEMV; serving's benchmark leans on
@@ -57,11 +48,15 @@ set -euo pipefail
 FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
              tests/test_quant.py tests/test_codec_slots.py tests/test_codec_batch.py)
 CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
-side() { local log; log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
-        MOSSBUILD_GPU=$1 bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
+gpus=$(nvidia-smi -L | grep -c '^GPU')
+one=${PROBE_ONE:-fp8}  # one GPU: the precision an A/B builds and probes
+# side <gpu> <precision> [rule]: gpu_pipeline.sh on GPU i with the i-th half of the cores (one GPU: all of them)
+side() { local log pin=(); log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
+        if [ "$gpus" -gt 1 ]; then pin=(env MOSSBUILD_GPU="$1"); fi
+        "${pin[@]}" bash benchmarks/gpu_pipeline.sh "${@:2}" > "$log" 2>&1 || echo "gpu$1 exit $?"; }
 both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
-cores() { local half=$(( $(nproc) / 2 )); echo "$(( $1 * half ))-$(( $1 * half + half - 1 ))"; }  # GPU i's half of the cores
-# tests <gpu> <log> <test ...>: pytest on GPU i with the i-th half of the cores, its output in $OUT/<log>
+cores() { local half=$(( $(nproc) / gpus )); echo "$(( $1 * half ))-$(( $1 * half + half - 1 ))"; }  # GPU i's share of the cores
+# tests <gpu> <log> <test ...>: pytest on GPU i with its share of the cores, its output in $OUT/<log>
 tests() { CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(cores "$1")" \
               python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
 # a call whose earlier calls' outputs are not here met a fresh machine (the one held was given back, e.g. idle
@@ -76,23 +71,31 @@ probe() { local left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
               taskset -c "$(cores "$1")" python3 benchmarks/probe_lanes.py \
               "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
               > "$OUT/probe-$2.log" 2>&1 || echo "probe $2 exit $?" >> "$OUT/probe-$2.log"; }
+levels() { if [ "$1" = bf16 ]; then echo "${PROBE_BF16:-}"; else echo "${PROBE_FP8:-}"; fi; }
 step=${1:?step 1, 2, 3 or 4 (a run of record), or p1, p2 or p3 (a serving A/B)}
-case $step in
-    2) needs ckpt-bf16 ;;
-    3) needs torch-bf16/verify.json calib-fp8 ;;
-    4) needs torch-fp8/verify.json ;;
-    p2) needs torch-bf16/engine/engine.json calib-fp8 ;;
-    p3) needs torch-bf16/engine/engine.json torch-fp8/engine/engine.json ;;
+case $one in bf16 | fp8) ;; *) echo "PROBE_ONE must be bf16 or fp8, got $one" >&2; exit 2 ;; esac
+case $step in 1 | 2 | 3 | 4) [ "$gpus" -gt 1 ] || { echo "step $step needs two GPUs; this machine has $gpus" >&2; exit 2; } ;; esac
+case $step,$gpus,$one in
+    2,*) needs ckpt-bf16 ;;
+    3,*) needs torch-bf16/verify.json calib-fp8 ;;
+    4,*) needs torch-fp8/verify.json ;;
+    p2,1,fp8) needs calib-fp8 ;;
+    p2,1,bf16 | p3,1,*) needs "torch-$one/engine/engine.json" ;;
+    p2,*) needs torch-bf16/engine/engine.json calib-fp8 ;;
+    p3,*) needs torch-bf16/engine/engine.json torch-fp8/engine/engine.json ;;
 esac
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
-case $step in
-    1) tests 1 first-tests.log "${FIRST_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
-    2) both "bf16 verify" "fp8 calibrate" ;;
-    3) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
-    4) side 1 fp8 ;;
-    p1) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert > "$OUT/gpu0-bf16-convert.log" 2>&1; both "bf16 build" "fp8 calibrate" ;;
-    p2) probe 0 bf16 "${PROBE_BF16:-}" & { side 1 fp8 build; probe 1 fp8 "${PROBE_FP8:-}"; } & wait ;;
-    p3) probe 0 bf16 "${PROBE_BF16:-}" & probe 1 fp8 "${PROBE_FP8:-}" & wait ;;
+case $step,$gpus in
+    1,*) tests 1 first-tests.log "${FIRST_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
+    2,*) both "bf16 verify" "fp8 calibrate" ;;
+    3,*) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
+    4,*) side 1 fp8 ;;
+    p1,1) if [ "$one" = fp8 ]; then side 0 fp8 calibrate; else side 0 bf16 build; fi ;;
+    p2,1) if [ "$one" = fp8 ]; then side 0 fp8 build; fi; probe 0 "$one" "$(levels "$one")" ;;
+    p3,1) probe 0 "$one" "$(levels "$one")" ;;
+    p1,*) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert > "$OUT/gpu0-bf16-convert.log" 2>&1; both "bf16 build" "fp8 calibrate" ;;
+    p2,*) probe 0 bf16 "${PROBE_BF16:-}" & { side 1 fp8 build; probe 1 fp8 "${PROBE_FP8:-}"; } & wait ;;
+    p3,*) probe 0 bf16 "${PROBE_BF16:-}" & probe 1 fp8 "${PROBE_FP8:-}" & wait ;;
     *) echo "unknown step $1 (1, 2, 3, 4, p1, p2 or p3)" >&2; exit 2 ;;
 esac

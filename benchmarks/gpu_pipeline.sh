@@ -10,7 +10,7 @@
 #
 # The second argument, a rule, stops there (Snakemake's --until). The fp8 run's benchmark leaves out
 # the eager baseline: it is the same transformers model as in the bf16 run, which measures it.
-# .whl holds the wheels listed in benchmarks/gpu-wheels.txt (how they are made is said there).
+# .whl holds the wheels listed in benchmarks/gpu-wheels.txt: `bash benchmarks/wheels.sh` makes it (once a checkout).
 # The machine must stay warm between calls (results/ lives on it): the device tool gives it back after
 # 30 s idle, so make each call as soon as the last returns (through a slower agent, one session lost
 # the machine between calls; on a fresh one the bf16 benchmark call redid download .. verify and ran
