@@ -95,7 +95,7 @@ case $step,$gpus in
     p2,1) if [ "$one" = fp8 ]; then side 0 fp8 build; fi; probe 0 "$one" "$(levels "$one")" ;;
     p3,1) probe 0 "$one" "$(levels "$one")" ;;
     p1,*) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert > "$OUT/gpu0-bf16-convert.log" 2>&1; both "bf16 build" "fp8 calibrate" ;;
-    p2,*) probe 0 bf16 "${PROBE_BF16:-}" & { side 1 fp8 build; probe 1 fp8 "${PROBE_FP8:-}"; } & wait ;;
-    p3,*) probe 0 bf16 "${PROBE_BF16:-}" & probe 1 fp8 "${PROBE_FP8:-}" & wait ;;
+    p2,*) probe 0 bf16 "$(levels bf16)" & { side 1 fp8 build; probe 1 fp8 "$(levels fp8)"; } & wait ;;
+    p3,*) probe 0 bf16 "$(levels bf16)" & probe 1 fp8 "$(levels fp8)" & wait ;;
     *) echo "unknown step $1 (1, 2, 3, 4, p1, p2 or p3)" >&2; exit 2 ;;
 esac

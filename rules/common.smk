@@ -129,15 +129,20 @@ class ImportIndex:
         except (OSError, ValueError):
             self.known = {}
         self.changed = False
+        self.checked = (
+            set()
+        )  # keys whose stamp this start has compared (each rule's code() meets most)
 
     def of(self, module, in_functions):
-        stat = module.stat()
-        stamp, key = [stat.st_mtime_ns, stat.st_size], f"{module}:{int(in_functions)}"
-        hit = self.known.get(key)
-        if not (isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp):
-            hit = self.known[key] = [stamp, workflow_imports(module, in_functions)]
-            self.changed = True
-        return hit[1]
+        key = f"{module}:{int(in_functions)}"
+        if key not in self.checked:
+            stat = module.stat()
+            stamp, hit = [stat.st_mtime_ns, stat.st_size], self.known.get(key)
+            if not (isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp):
+                self.known[key] = [stamp, workflow_imports(module, in_functions)]
+                self.changed = True
+            self.checked.add(key)
+        return self.known[key][1]
 
     def save(self):
         if not self.changed:

@@ -102,6 +102,14 @@ class CodecConfig:
     mel: MelConfig = field(default_factory=MelConfig)
     chunk: int = 5  # streaming chunk in codes (flow-chunk-5.pt; 25: flow-chunk-25.pt); 0: offline
 
+    def past_frames(self, prompt_codes: int) -> int:
+        """The frames a flow past covers for a prompt of that many codes: its whole chunks that the
+        lookahead does not reach (180 of a 50-code prompt's 200)."""
+        if self.chunk <= 0:
+            raise ValueError("a flow past needs a chunk-trained config (cfg.chunk > 0)")
+        chunk_frames = self.chunk * self.encoder.stride
+        return max(0, (prompt_codes - self.encoder.lookahead) * self.encoder.stride // chunk_frames * chunk_frames)
+
     @classmethod
     def tiny(cls) -> CodecConfig:
         """The embedded default's shape: every part present, narrow and shallow, seconds on a CPU."""

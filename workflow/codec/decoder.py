@@ -239,12 +239,8 @@ class CodecDecoder(nn.Module):
         return solve(self.velocity, mu, mask, spks, cond, self.cfg.solver, streaming=chunk > 0, noise=self.noise, past=past)
 
     def past_frames(self, prompt_codes: int) -> int:
-        """The frames `prompt_past` covers for a prompt of that many codes: its whole chunks that the
-        lookahead does not reach (180 of a 50-code prompt's 200)."""
-        if self.cfg.chunk <= 0:
-            raise ValueError("a flow past needs a chunk-trained config (cfg.chunk > 0)")
-        chunk_frames = self.cfg.chunk * self.stride
-        return max(0, (prompt_codes - self.cfg.encoder.lookahead) * self.stride // chunk_frames * chunk_frames)
+        """The frames `prompt_past` covers for a prompt of that many codes (`CodecConfig.past_frames`)."""
+        return self.cfg.past_frames(prompt_codes)
 
     @torch.inference_mode()
     def prompt_past(self, prompt: VoicePrompt) -> list[Past]:

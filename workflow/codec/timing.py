@@ -90,7 +90,7 @@ class CodecTiming:
         chunk = cfg.chunk
         if self.fp8_pages and not self.slots:
             raise ValueError("benchmark.codec.fp8_pages: it stores the flow slots' pages, and benchmark.codec.slots is 0")
-        if self.fp8_pages and self.prompt_codes - cfg.encoder.lookahead < chunk:  # FlowSlots' scales: the prompt's past
+        if self.fp8_pages and not cfg.past_frames(self.prompt_codes):  # FlowSlots' scales: the prompt's past
             raise ValueError(
                 f"benchmark.codec.fp8_pages: its scales come from the voice prompt's past, and {self.prompt_codes} codes "
                 f"hold no whole chunk past the lookahead ({chunk} + {cfg.encoder.lookahead} codes): raise prompt_codes"
