@@ -9,15 +9,17 @@
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | GPU 0 free (a probe on bf16's engine)
 #
 # A serving A/B session (probe_lanes.py's arms, e.g. PROBE_ARMS=pace) builds engines only, then probes; a
-# probe's first arm makes its graphs ahead (~205 s), then ~30-40 s a level:
+# probe's first arm makes its graphs ahead (185-232 s on an H200), then ~20-40 s a level, so a probe starts
+# only with PROBE_MIN_S (default 300) of the call's stage left:
 #
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p1   # download, convert, then bf16 build | FP8 calibrate (~480 s)
-#   PROBE_BF16=48,64,80 PROBE_FP8=64,80,96 MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p2   # bf16 probe | FP8 build, probe
+#   PROBE_BF16=48,64,80 PROBE_FP8=64,80,96 MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh p2   # bf16 probe | FP8 build, probe if time is left
 #   PROBE_BF16=.. PROBE_FP8=.. PROBE_CONFIGS=<yaml ...> bash benchmarks/gpu_pair.sh p3   # again, other arms or settings
 #
 # On a machine of one GPU (nvidia-h200) the A/B builds and probes one precision, PROBE_ONE (default fp8), with
 # every core: p1 download, convert and calibrate (bf16: build), p2 build (bf16: nothing) and its probe, p3 its
-# probe; the other precision's PROBE_<P> is ignored.
+# probe; the other precision's PROBE_<P> is ignored. FP8's build takes ~310 s, so its p2 leaves too little
+# for a probe and ends after the build: probe with p3.
 #
 # e.g. pace with more streams open, their flow pages in float8 (twice the audio in h200.yaml's ~46 GB):
 #   printf 'benchmark:\n  load: {slots: 40}\n  codec: {slots: 40, pool_seconds: 720, fp8_pages: true}\n' > /tmp/wide.yaml
@@ -66,7 +68,8 @@ needs() { local f; for f in "$@"; do [ -e "results/full/$f" ] || {
 # probe <gpu> <precision> <levels>: probe_lanes.py on that precision's engine until the call's stage ends
 deadline=$(( SECONDS + ${MOSSBUILD_STAGE_S:-560} ))
 probe() { local left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
-          [ "$left" -gt 60 ] || { echo "probe $2: ${left} s of the stage left, not started" >> "$OUT/probe-$2.log"; return 0; }
+          [ "$left" -ge "${PROBE_MIN_S:-300}" ] || {
+              echo "probe $2: ${left} s of the stage left, under PROBE_MIN_S (${PROBE_MIN_S:-300}), not started" >> "$OUT/probe-$2.log"; return 0; }
           CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. PROBE_LEVELS=$3 timeout "$left" \
               taskset -c "$(cores "$1")" python3 benchmarks/probe_lanes.py \
               "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
