@@ -105,6 +105,8 @@ def test_codec_settings_name_what_is_wrong():
     with pytest.raises(ValueError, match="fp8_pages: its scales come from the voice prompt's past, and 6 codes"):
         CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 6})  # the tiny chunk 5, lookahead 3
     assert CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 8}).fp8_pages
+    with pytest.raises(ValueError, match="hift_dtype: 'bfloat16' is not one of float32, float16"):
+        CodecTiming.from_dict({"hift_dtype": "bfloat16"})  # 35.7 dB from float32 (docs/levers.md, "CPU HiFT bf16")
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

@@ -235,10 +235,11 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
             "slots": t.slots,
             "pool_seconds": t.pool_seconds,
             "fp8_pages": t.fp8_pages,
+            "hift_dtype": t.hift_dtype,
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
             f"{'the voice of ' + t.voice if t.voice else 'a random voice'}, {t.dtype}; "
-            f"HiFT float32, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
+            f"HiFT's convolutions in {t.hift_dtype}, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
             f"the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
             + (", the slots' transformer blocks as Triton kernels" if decoder.kernels and t.slots else "")
             + (", HiFT's network channels-last, its Snakes and the sums around them in Triton kernels" if decoder.kernels else "")

@@ -63,17 +63,18 @@ class ResBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:
             return self.kernel_forward(x)
+        x = x.float()  # the residual sum in float32 whatever the convolutions' dtype (`HiFT.convs_to`)
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
-            x = x + c2(a2(c1(a1(x))))
+            x = x + conv(c2, a2(conv(c1, a1(x))))
         return x
 
     def kernel_forward(self, x: Tensor) -> Tensor:
         steps = list(zip(self.convs1, self.convs2, self.activations2, strict=True))
-        h = kernels.snake(x, self.activations1[0].alpha)
+        h = kernels.snake(x, self.activations1[0].alpha, dtype=self.convs1[0].weight.dtype)
         for j, (c1, c2, a2) in enumerate(steps):
-            h = kernels.snake(conv(c1, h, bias=False), a2.alpha, c1.bias)
+            h = kernels.snake(conv(c1, h, bias=False), a2.alpha, c1.bias, dtype=c2.weight.dtype)
             after = self.activations1[j + 1].alpha if j + 1 < len(steps) else None
-            x, h = kernels.residual_snake(conv(c2, h, bias=False), c2.bias, x, after)
+            x, h = kernels.residual_snake(conv(c2, h, bias=False), c2.bias, x, after, dtype=c1.weight.dtype)
         return x
 
 
@@ -85,8 +86,9 @@ def rows(x: Tensor) -> Tensor:
 def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, *, bias: bool = True) -> Tensor:
     """m(x), without its bias where `bias` is False. x [B, C, 1, T] channels-last (`rows`) goes as the 2-D
     convolution over its one row, which cuDNN runs channels-last (NHWC) with no conversions around it
-    where the weight is channels-last too (`channels_last`)."""
+    where the weight is channels-last too (`channels_last`). x goes in the weight's dtype (`HiFT.convs_to`)."""
     b, (s,), (p,), (d,) = m.bias if bias else None, m.stride, m.padding, m.dilation
+    x = x.to(m.weight.dtype)
     if isinstance(m, nn.ConvTranspose1d):
         if x.dim() == 3:
             return F.conv_transpose1d(x, m.weight, b, s, p, m.output_padding, 1, d)
@@ -209,6 +211,16 @@ class HiFT(nn.Module):
                 m.fused = on
             if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and not name.startswith("f0_predictor"):
                 m.weight.data = channels_last(m.weight.data, on)
+
+    def convs_to(self, dtype: torch.dtype) -> None:
+        """The network's convolutions (weights, biases, inputs and outputs) in `dtype`: float32, or float16,
+        which halves their bytes and doubles tensor-core rates. Everything between them stays float32 (the
+        bias adds, Snakes and residual sums, in the kernels or torch), as do the F0 predictor and conv_post,
+        whose output goes to exp and sin: at the true shape fp16 so moved the PCM 60.7 dB from float32's,
+        TF32 (as CUDA serves float32) 62.1 (docs/levers.md, "CPU HiFT fp16")."""
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and not name.startswith(("f0_predictor", "conv_post")):
+                m.to(dtype)  # keeps a channels-last weight's layout
 
     def source(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """mel [B, mels, F] -> the NSF source [B, 1, F*hop]."""

@@ -231,15 +231,16 @@ if triton is not None:
     ):
         """Over x (flat, its channel c = i // CSTRIDE % C): s = x (+ b[c]) (+ r), stored where RESIDUAL;
         y = s + sin(a s)^2 / (a + 1e-9), a [C], stored where SNAKE. HiFT's Snake, and the convolution's bias
-        and the residual sum before it, in one pass. The sums go in torch's order (the bias, then the residual)."""
+        and the residual sum before it, in one pass. The sums go in torch's order (the bias, then the residual),
+        in float32 whatever the tensors' dtypes; each store rounds to its tensor's."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
         c = (i // CSTRIDE) % C
-        x = tl.load(x_ptr + i, mask=ok, other=0.0)
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
         if BIAS:
-            x = x + tl.load(b_ptr + c, mask=ok, other=0.0)
+            x = x + tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
         if RESIDUAL:
-            x = tl.load(r_ptr + i, mask=ok, other=0.0) + x
+            x = tl.load(r_ptr + i, mask=ok, other=0.0).to(tl.float32) + x
             tl.store(s_ptr + i, x, mask=ok)
         if SNAKE:
             a = tl.load(a_ptr + c, mask=ok, other=1.0)
@@ -350,28 +351,36 @@ def block(
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)
 
 
-def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
+def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
     """HiFT's Snake (hift.Snake) over x [B, C, T] or [B, C, 1, T] channels-last (`hift.rows`), a convolution's
     bias [C] added first, in one kernel where torch launches six (its multiply, sine, square, the alpha's
-    epsilon, division and sum) and the bias one more."""
-    return _elementwise(x, alpha, bias, None)[1]
+    epsilon, division and sum) and the bias one more; its output in `dtype` (default x's): the next
+    convolution's."""
+    return _elementwise(x, alpha, bias, None, dtype)[1]
 
 
-def residual_snake(x: Tensor, bias: Tensor, residual: Tensor, alpha: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def residual_snake(
+    x: Tensor, bias: Tensor, residual: Tensor, alpha: Tensor | None, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor | None]:
     """A ResBlock's step end: s = residual + (x + bias) (x a convolution's output without its bias [C]) and
     the next step's Snake of s (None where `alpha` is None), in one pass where torch makes three (bias, sum,
-    then the Snake's one kernel) -> (s, snake(s))."""
-    return _elementwise(x, alpha, bias, residual)
+    then the Snake's one kernel) -> (s, snake(s)); s in float32 (the residual sum, whatever x's dtype), the
+    Snake in `dtype` (default x's)."""
+    return _elementwise(x, alpha, bias, residual, dtype)
 
 
-def _elementwise(x: Tensor, alpha: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> tuple:
+def _elementwise(
+    x: Tensor, alpha: Tensor | None, bias: Tensor | None, residual: Tensor | None, dtype: torch.dtype | None
+) -> tuple:
     """The kernel over x as laid out: contiguous, or [B, C, 1, T] channels-last (its channels innermost);
     the outputs and the residual in x's layout."""
     if not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)):
         x = x.contiguous()
-    s = torch.empty_like(x) if residual is not None else None
-    y = torch.empty_like(x) if alpha is not None else None
-    r = None if residual is None else residual if residual.stride() == x.stride() else torch.empty_like(x).copy_(residual)
+    s = torch.empty_like(x, dtype=torch.float32) if residual is not None else None
+    y = torch.empty_like(x, dtype=dtype or x.dtype) if alpha is not None else None
+    r = residual
+    if residual is not None and residual.stride() != x.stride():
+        r = torch.empty_like(x, dtype=residual.dtype).copy_(residual)
     n = x.numel()
     _snake[(triton.cdiv(n, SNAKE_BLOCK),)](
         x, x if bias is None else bias, x if r is None else r, x if alpha is None else alpha,

@@ -64,7 +64,8 @@ CACHE = Path("results/.hub-cache")  # where hf: weights are fetched, as the down
 @dataclass(frozen=True)
 class CodecTiming:
     preset: str = "tiny"  # tiny | full (the true shape)
-    dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow; HiFT stays float32)
+    dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow)
+    hift_dtype: str = "float32"  # ours: float32 | float16 (HiFT's convolutions, hift.HiFT.convs_to)
     prompt_codes: int = 10  # the voice prompt's codes (5k + 1 or 5k + 2: a shorter first hop, stream.first_hop)
     later_codes: int = 20  # where the later call falls: codes of the reply past the first hop (a multiple of the chunk)
     batches: tuple[int, ...] = (1, 2)
@@ -88,6 +89,8 @@ class CodecTiming:
             raise ValueError(f"benchmark.codec.preset: '{self.preset}' is not one of {', '.join(PRESETS)}")
         cfg = PRESETS[self.preset]()
         chunk = cfg.chunk
+        if self.hift_dtype not in ("float32", "float16"):
+            raise ValueError(f"benchmark.codec.hift_dtype: '{self.hift_dtype}' is not one of float32, float16")
         if self.fp8_pages and not self.slots:
             raise ValueError("benchmark.codec.fp8_pages: it stores the flow slots' pages, and benchmark.codec.slots is 0")
         if self.fp8_pages and not cfg.past_frames(self.prompt_codes):  # FlowSlots' scales: the prompt's past
@@ -254,7 +257,7 @@ class SlotRunner(Runner):
 
 
 def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> tuple[CodecDecoder, CodecDecoder | None]:
-    """Ours (t.dtype, the estimator's fast pass; HiFT float32) and the baseline (float32, the estimator's
+    """Ours (t.dtype, the estimator's fast pass; HiFT's convolutions t.hift_dtype) and the baseline (float32, the estimator's
     official forward), one set of weights: the checkpoint's, checked against the preset's shape, or random."""
     torch.manual_seed(t.seed)
     cfg = PRESETS[t.preset]()
@@ -267,6 +270,7 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
     dtype = getattr(torch, t.dtype)
     ours.flow.to(dtype)
     ours.estimator.to(dtype)
+    ours.hift.convs_to(getattr(torch, t.hift_dtype))
     ours.noise.buffer = base.noise.buffer
     return ours, (base if t.baseline else None)
 
