@@ -28,7 +28,6 @@ it gives alone, up to the rounding of batched arithmetic (tests/test_codec_batch
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +38,7 @@ from torch import Tensor
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.hift import DEFAULT_SEED
 from workflow.codec.slots import PAGE, FlowSlots
-from workflow.codec.stream import CodecStream, Excitation, FlowCall, first_hop, ranks, settle_all
+from workflow.codec.stream import CodecStream, FlowCall, carry_all, first_hop, settle_all
 from workflow.cudagraphs import Graphs
 from workflow.detokenize import Piece
 from workflow.engines.base import to_device
@@ -317,7 +316,7 @@ class CodecBatch:
             got = self._graphed(("f0", *shapes[idx[0]]), fn, last, torch.stack([xs[i].mel for i in self._rows(idx)]))
             for j, i in enumerate(idx):
                 f0[i] = got[j]
-        xs = self._carried([s for s, _, _ in calls], xs, f0)
+        xs = carry_all(self.decoder.source.cycles, [s for s, _, _ in calls], xs, f0)
         shapes = [(*shape, x.before is None) for shape, x in zip(shapes, xs, strict=True)]
         out: list[tuple[Tensor, Tensor]] = [(torch.empty(0), torch.empty(0))] * len(xs)
         for idx in self._passes(shapes):
@@ -332,37 +331,6 @@ class CodecBatch:
             for j, i in enumerate(idx):
                 out[i] = pcm[j], cycles[j]
         return settle_all([(s, pcm, x, cycles, final) for (s, _, final), x, (pcm, cycles) in zip(calls, xs, out, strict=True)])
-
-    def _carried(self, streams: list[CodecStream], xs: list[Excitation], f0: list[Tensor]) -> list[Excitation]:
-        """The calls `xs`, each after its stream's first here counting its source's cycles on from the call
-        before it: that call's cycles at its last kept frame (its own `before` added), as
-        `CodecStream.settle` keeps them, or from zero where it kept none. The cycles of every call with a
-        successor come from its F0 alone, calls of one length at once; then the k-th calls of all streams
-        add theirs together: a held batch's calls would otherwise launch a dozen kernels each."""
-        rank, prev = ranks(streams)
-        cut: dict[int, int] = {}  # a predecessor's frame its cycles are carried from (none where it kept none)
-        for p in prev.values():
-            if (nxt := max(0, xs[p].end - streams[p].mel_cache)) > 0:
-                cut[p] = nxt - xs[p].start - 1
-        at: dict[int, Tensor] = {}  # those cycles, [width] float64
-        by_len: dict[int, list[int]] = {}
-        for p in cut:
-            by_len.setdefault(f0[p].shape[-1], []).append(p)
-        for group in by_len.values():
-            rows, frames = to_device(f0[group[0]].device, [list(range(len(group))), [cut[p] for p in group]])
-            got = self.decoder.source.cycles(torch.stack([f0[p] for p in group]))[rows, frames]
-            at.update(zip(group, got.unbind(0), strict=True))
-        xs = list(xs)
-        for r in range(1, max(rank, default=0) + 1):
-            now = [n for n in prev if rank[n] == r]
-            add = [n for n in now if prev[n] in at and xs[prev[n]].before is not None]
-            summed = {}
-            if add:
-                total = torch.stack([xs[prev[n]].before for n in add]) + torch.stack([at[prev[n]] for n in add])
-                summed = dict(zip(add, total.unbind(0), strict=True))
-            for n in now:
-                xs[n] = dataclasses.replace(xs[n], before=summed.get(n, at.get(prev[n])))
-        return xs
 
     def _passes(self, shapes: list[tuple]) -> list[list[int]]:
         """The calls of each shape (frames, context, last, ...), in passes of at most `pass_rows` rows, a

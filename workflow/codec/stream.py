@@ -48,7 +48,8 @@ does that, at the price of the tail not being the one-call decode's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -314,3 +315,38 @@ def settle_all(calls: list[tuple[CodecStream, Tensor, Excitation, Tensor, bool]]
                 s, pcm, x, cycles, final = calls[i]
                 out[i] = s._keep(pcm, head, x, cycles, final)
     return out
+
+
+def carry_all(
+    cycles: Callable[[Tensor], Tensor], streams: list[CodecStream], xs: list[Excitation], f0: list[Tensor]
+) -> list[Excitation]:
+    """HiFT calls `xs` of `streams` (a stream's in order), each after its stream's first here counting its
+    source's cycles on from the call before it: that call's cycles (`cycles`, NsfSource's, of its F0) at its
+    last kept frame, its own `before` added, as `CodecStream.settle` keeps them, or from zero where it kept
+    none. The cycles of every call with a successor come from its F0 alone, calls of one length at once;
+    then the k-th calls of all streams add theirs together: a held batch's calls would otherwise launch a
+    dozen kernels each."""
+    rank, prev = ranks(streams)
+    cut: dict[int, int] = {}  # a predecessor's frame its cycles are carried from (none where it kept none)
+    for p in prev.values():
+        if (nxt := max(0, xs[p].end - streams[p].mel_cache)) > 0:
+            cut[p] = nxt - xs[p].start - 1
+    at: dict[int, Tensor] = {}  # those cycles, [width] float64
+    by_len: dict[int, list[int]] = {}
+    for p in cut:
+        by_len.setdefault(f0[p].shape[-1], []).append(p)
+    for group in by_len.values():
+        rows, frames = to_device(f0[group[0]].device, [list(range(len(group))), [cut[p] for p in group]])
+        got = cycles(torch.stack([f0[p] for p in group]))[rows, frames]
+        at.update(zip(group, got.unbind(0), strict=True))
+    xs = list(xs)
+    for r in range(1, max(rank, default=0) + 1):
+        now = [n for n in prev if rank[n] == r]
+        add = [n for n in now if prev[n] in at and xs[prev[n]].before is not None]
+        summed = {}
+        if add:
+            total = torch.stack([xs[prev[n]].before for n in add]) + torch.stack([at[prev[n]] for n in add])
+            summed = dict(zip(add, total.unbind(0), strict=True))
+        for n in now:
+            xs[n] = dataclasses.replace(xs[n], before=summed.get(n, at.get(prev[n])))
+    return xs
