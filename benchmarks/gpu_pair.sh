@@ -21,6 +21,11 @@
 # probe; the other precision's PROBE_<P> is ignored. FP8's build takes ~310 s, so its p2 leaves too little
 # for a probe and ends after the build: probe with p3.
 #
+# The codec decoder's A/B needs no engine, so it runs on a fresh machine, one GPU, before anything else
+# (probe_codec.py: its codec section per arm, ~1 min an arm at the true shape):
+#
+#   CODEC_ARMS='{"fp16 HiFT": {"hift_dtype": "float16"}}' MOSSBUILD_CONFIGFILE=config/h200.yaml bash benchmarks/gpu_pair.sh c
+#
 # e.g. pace with more streams open, their flow pages in float8 (twice the audio in h200.yaml's ~46 GB):
 #   printf 'benchmark:\n  load: {slots: 40}\n  codec: {slots: 40, pool_seconds: 720, fp8_pages: true}\n' > /tmp/wide.yaml
 #   PROBE_ARMS=pace PROBE_CONFIGS=/tmp/wide.yaml PROBE_BF16=64,80 PROBE_FP8=80,96 ... bash benchmarks/gpu_pair.sh p3
@@ -75,7 +80,7 @@ probe() { local left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
               "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
               > "$OUT/probe-$2.log" 2>&1 || echo "probe $2 exit $?" >> "$OUT/probe-$2.log"; }
 levels() { if [ "$1" = bf16 ]; then echo "${PROBE_BF16:-}"; else echo "${PROBE_FP8:-}"; fi; }
-step=${1:?step 1, 2, 3 or 4 (a run of record), or p1, p2 or p3 (a serving A/B)}
+step=${1:?step 1, 2, 3 or 4 (a run of record), p1, p2 or p3 (a serving A/B), or c (an A/B of the codec)}
 case $one in bf16 | fp8) ;; *) echo "PROBE_ONE must be bf16 or fp8, got $one" >&2; exit 2 ;; esac
 case $step in 1 | 2 | 3 | 4) [ "$gpus" -gt 1 ] || { echo "step $step needs two GPUs; this machine has $gpus" >&2; exit 2; } ;; esac
 case $step,$gpus,$one in
@@ -100,5 +105,8 @@ case $step,$gpus in
     p1,*) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert > "$OUT/gpu0-bf16-convert.log" 2>&1; both "bf16 build" "fp8 calibrate" ;;
     p2,*) probe 0 bf16 "$(levels bf16)" & { side 1 fp8 build; probe 1 fp8 "$(levels fp8)"; } & wait ;;
     p3,*) probe 0 bf16 "$(levels bf16)" & probe 1 fp8 "$(levels fp8)" & wait ;;
-    *) echo "unknown step $1 (1, 2, 3, 4, p1, p2 or p3)" >&2; exit 2 ;;
+    c,*) CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:. timeout "$(( deadline - SECONDS ))" python3 benchmarks/probe_codec.py \
+             "$OUT/probe-codec.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} > "$OUT/probe-codec.log" 2>&1 \
+             || echo "probe codec exit $?" >> "$OUT/probe-codec.log" ;;
+    *) echo "unknown step $1 (1, 2, 3, 4, p1, p2, p3 or c)" >&2; exit 2 ;;
 esac
