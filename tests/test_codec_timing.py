@@ -142,3 +142,18 @@ def test_a_prompt_of_5k_plus_2_codes_times_a_first_call_of_3_codes():
     assert out["first_codes"] == 6 and set(reached) == {6}
     assert row["ours", "first"]["codes"] == 12 + 3 + 3 and row["ours", "later"]["codes"] == 12 + 3 + 20 + 3
     assert row["ours, slots", "first"]["solved_frames"] == 4 * 15 - 20 and row["ours, slots", "later"]["solved_frames"] == 20
+
+
+def test_float16_hift_is_refused_where_it_moves_the_voice_prompts_pcm_too_far():
+    """`hift_dtype: float16` is checked on the voice prompt as the decoder is made: the tiny decoder's passes
+    (~70 dB from float32's), and with activations past fp16's range (conv_pre's weights x 1e4) the same
+    check refuses it in one line that names the weights and says what to set."""
+    from workflow.codec.timing import HIFT_LEAST_DB, check_hift, stream_decoder
+    from workflow.errors import InputError
+
+    t = CodecTiming(hift_dtype="float16")
+    dec, voice = stream_decoder(t, torch.device("cpu"))  # checked there
+    assert dec.hift.conv_pre.weight.dtype == torch.float16 and dec.hift.snr_to_float32(voice.mel) >= HIFT_LEAST_DB
+    dec.hift.conv_pre.weight.data *= 1e4
+    with pytest.raises(InputError, match=r"random weights: benchmark\.codec\.hift_dtype float16 moves .* under 50: set float32"):
+        check_hift(t, dec, voice)

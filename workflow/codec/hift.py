@@ -16,6 +16,7 @@ The random parts (the source's additive noise) come from a `torch.Generator`, ne
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from functools import reduce
@@ -221,6 +222,17 @@ class HiFT(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and not name.startswith(("f0_predictor", "conv_post")):
                 m.to(dtype)  # keeps a channels-last weight's layout
+
+    def snr_to_float32(self, mel: Tensor) -> float:
+        """This HiFT's PCM of mel [mels, F] against a float32 copy's (`convs_to`), in dB: where its convolutions
+        run in float16, how far they move it (an activation past fp16's range, 65,504, makes it inf or NaN)."""
+        ref = copy.deepcopy(self)
+        ref.convs_to(torch.float32)
+        m = mel[None].to(self.conv_pre.weight.device, torch.float32)
+        with torch.no_grad():
+            source = ref.source(m)
+            want, got = ref.decode(m, source), self.decode(m, source)
+        return (10 * torch.log10(want.pow(2).sum() / (got - want).pow(2).sum())).item()
 
     def source(self, mel: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """mel [B, mels, F] -> the NSF source [B, 1, F*hop]."""

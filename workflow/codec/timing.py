@@ -55,9 +55,11 @@ from workflow.codec.slots import FlowSlots
 from workflow.codec.solver import solve
 from workflow.codec.stream import MEL_CACHE, first_hop
 from workflow.cudagraphs import Graphs
+from workflow.errors import InputError
 from workflow.report import percentiles
 
 PRESETS = {"tiny": CodecConfig.tiny, "full": CodecConfig}
+HIFT_LEAST_DB = 50.0  # float16 HiFT's PCM of the voice prompt at least this close to float32's (60.7 dB at the true shape)
 CACHE = Path("results/.hub-cache")  # where hf: weights are fetched, as the download rule does
 
 
@@ -278,7 +280,17 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
 def stream_decoder(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, VoicePrompt]:
     """Ours, as `decoders` makes it, and `voice_of` it."""
     ours, _ = decoders(dataclasses.replace(t, baseline=False), device)
-    return ours, voice_of(t, ours)
+    voice = voice_of(t, ours)
+    check_hift(t, ours, voice)
+    return ours, voice
+
+
+def check_hift(t: CodecTiming, dec: CodecDecoder, voice: VoicePrompt) -> None:
+    """HiFT's convolutions in float16 (`hift_dtype`) refused in one line where they move its PCM of the voice
+    prompt's mel less than HIFT_LEAST_DB from float32's: these weights then need float32."""
+    if t.hift_dtype != "float32" and not (snr := dec.hift.snr_to_float32(voice.mel)) >= HIFT_LEAST_DB:
+        problem = f"HiFT's PCM of the voice prompt {snr:.1f} dB from float32's, under {HIFT_LEAST_DB:g}: set float32"
+        raise InputError(t.weights or "random weights", f"benchmark.codec.hift_dtype {t.hift_dtype} moves {problem}")
 
 
 def voice_of(t: CodecTiming, dec: CodecDecoder) -> VoicePrompt:
@@ -308,6 +320,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     }
     graphs = t.graphs and device.type == "cuda"
     voice = voice_of(t, ours)
+    check_hift(t, ours, voice)
     base_frames = ours.past_frames(t.prompt_codes)
     new = -(-((t.prompt_codes + hop0 + la) * stride - base_frames) // cf) * cf  # CodecBatch.new_frames
 
