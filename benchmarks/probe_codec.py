@@ -1,8 +1,9 @@
 """The codec decoder's A/B with no engine, so a device call of its own on a fresh machine (~1 min an arm on an
-H200 at the true shape): the benchmark's codec section (`timing.measure`) of `benchmark.codec` as the configs
-give it (config/config.yaml, then each file named; the held call at `load.detokenize_hold` chunks, as the
-benchmark times it), then with each arm's settings over it. The eager baseline is left out. A line per call,
-variant and batch as it is timed, then every arm's calls as JSON.
+H200 at the true shape, the first longer for its compiles): the benchmark's codec section (`timing.measure`)
+of `benchmark.codec` as the configs give it (config/config.yaml, then each file named; the held call at
+`load.detokenize_hold` chunks, as the benchmark times it), then with each arm's settings over it. The eager
+baseline is left out. A line per call, variant and batch as it is timed, then every arm's calls as JSON.
+`gpu_pair.sh c` runs it.
 
     CODEC_ARMS='{"fp16 HiFT": {"hift_dtype": "float16"}}' PYTHONPATH=. \\
         python benchmarks/probe_codec.py <out.json> config/full.yaml config/h200.yaml
