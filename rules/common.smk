@@ -129,9 +129,8 @@ class ImportIndex:
         except (OSError, ValueError):
             self.known = {}
         self.changed = False
-        self.checked = (
-            set()
-        )  # keys whose stamp this start has compared (each rule's code() meets most)
+        # keys whose stamp this start has compared (each rule's code() meets most)
+        self.checked = set()
 
     def of(self, module, in_functions):
         key = f"{module}:{int(in_functions)}"

@@ -315,14 +315,13 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     calls = {"first": t.prompt_codes + hop0, "later": t.prompt_codes + t.later_codes + hop0}  # body codes
     cf = chunk * stride  # a chunk's frames: a past ends on a chunk boundary
     cached = {  # the frames the flow cache holds at each call: the voice prompt's past; the last call's end
-        "first": max(0, (t.prompt_codes - la) * stride // cf * cf),
+        "first": cfg.past_frames(t.prompt_codes),
         "later": (calls["later"] - chunk) * stride // cf * cf,
     }
     graphs = t.graphs and device.type == "cuda"
     voice = voice_of(t, ours)
     check_hift(t, ours, voice)
-    base_frames = ours.past_frames(t.prompt_codes)
-    new = -(-((t.prompt_codes + hop0 + la) * stride - base_frames) // cf) * cf  # CodecBatch.new_frames
+    new = -(-((t.prompt_codes + hop0 + la) * stride - cached["first"]) // cf) * cf  # CodecBatch.new_frames
 
     def runner(variant: str, dec: CodecDecoder, batch: int, call: str, use_graphs: bool) -> Runner:
         if variant == "ours, slots":
