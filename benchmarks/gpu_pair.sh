@@ -19,7 +19,7 @@
 # On a machine of one GPU (nvidia-h200) the A/B builds and probes one precision, PROBE_ONE (default fp8), with
 # every core: p1 download, convert and calibrate (bf16: build), p2 build (bf16: nothing) and its probe, p3 its
 # probe; the other precision's PROBE_<P> is ignored. FP8's build takes ~310 s, so its p2 leaves too little
-# for a probe and ends after the build: probe with p3.
+# for a probe and spends the rest on the CUDA tests ($OUT/cuda-tests.log): probe with p3.
 #
 # The codec decoder's A/B needs no engine, so it runs on a fresh machine, one GPU, before anything else
 # (probe_codec.py: its codec section per arm, ~1 min an arm at the true shape):
@@ -80,6 +80,12 @@ probe() { local left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
               "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
               > "$OUT/probe-$2.log" 2>&1 || echo "probe $2 exit $?" >> "$OUT/probe-$2.log"; }
 levels() { if [ "$1" = bf16 ]; then echo "${PROBE_BF16:-}"; else echo "${PROBE_FP8:-}"; fi; }
+# one GPU: what the stage has left after FP8's build and no probe (~250 s) runs the CUDA tests, the first ones
+# (the flow slots' and their float8 pages') before the codec's, cut at the stage's end
+spare_tests() { local left=$(( deadline - SECONDS )); [ "$left" -ge 60 ] || return 0
+                CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:. timeout "$left" python3 -m pytest -q -p no:cacheprovider \
+                    "${FIRST_TESTS[@]}" "${CODEC_TESTS[@]}" > "$OUT/cuda-tests.log" 2>&1 && rc=0 || rc=$?
+                echo "tests exit $rc (124: cut at the stage's end)" >> "$OUT/cuda-tests.log"; }
 step=${1:?step 1, 2, 3 or 4 (a run of record), p1, p2 or p3 (a serving A/B), or c (an A/B of the codec)}
 case $one in bf16 | fp8) ;; *) echo "PROBE_ONE must be bf16 or fp8, got $one" >&2; exit 2 ;; esac
 case $step in 1 | 2 | 3 | 4) [ "$gpus" -gt 1 ] || { echo "step $step needs two GPUs; this machine has $gpus" >&2; exit 2; } ;; esac
@@ -100,7 +106,7 @@ case $step,$gpus in
     3,*) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
     4,*) side 1 fp8 ;;
     p1,1) if [ "$one" = fp8 ]; then side 0 fp8 calibrate; else side 0 bf16 build; fi ;;
-    p2,1) if [ "$one" = fp8 ]; then side 0 fp8 build; fi; probe 0 "$one" "$(levels "$one")" ;;
+    p2,1) if [ "$one" = fp8 ]; then side 0 fp8 build; fi; probe 0 "$one" "$(levels "$one")"; spare_tests ;;
     p3,1) probe 0 "$one" "$(levels "$one")" ;;
     p1,*) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert > "$OUT/gpu0-bf16-convert.log" 2>&1; both "bf16 build" "fp8 calibrate" ;;
     p2,*) probe 0 bf16 "$(levels bf16)" & { side 1 fp8 build; probe 1 fp8 "$(levels fp8)"; } & wait ;;
