@@ -5,11 +5,12 @@ goes along with a held batch that goes anyway: streams' calls fall together), `l
 a lead of PROBE_LEAD s: streams past their first PCM decoded at that many times real time, new streams
 stepping alone while none is due: wider steps and calls) and `load.later_below_decode` (the
 detokenizer's later lane one priority below the decode graphs: a decode step goes before a held codec
-batch where both wait for SMs). The "below" arms run last: their lane's graphs are new, in a pool of
+batch where both wait for SMs) and `load.prefill_tokens` (PROBE_PREFILL prompt tokens admitted an iteration:
+fewer prompts stretch each decode step). The "below" arms run last: their lane's graphs are new, in a pool of
 their own, which stays. A line per level as it ends, then every level's figures as JSON, memory after
 the graphs made ahead (`prepared`) included.
 
-    PROBE_ARMS="base|join|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_PACE=3 PROBE_LEAD=1.5 \
+    PROBE_ARMS="base|join|prefill|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_PACE=3 PROBE_LEAD=1.5 PROBE_PREFILL=512 \
         python benchmarks/probe_lanes.py <engine dir> <out.json> [config.yaml ...]
 """
 
@@ -32,11 +33,13 @@ from workflow.serve import load
 
 JOIN = int(os.environ.get("PROBE_JOIN", "4"))  # under h200.yaml's hold of 8
 PACE = {"pace": float(os.environ.get("PROBE_PACE", "3")), "pace_lead_s": float(os.environ.get("PROBE_LEAD", "1.5"))}
-ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "below": {"later_below_decode": True},
+PREFILL = {"prefill_tokens": int(os.environ.get("PROBE_PREFILL", "512"))}  # one 512-token prompt an iteration
+ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL,
+        "join+prefill": {"detokenize_join": JOIN} | PREFILL, "below": {"later_below_decode": True},
         "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
 LEVELS = [int(n) for n in os.environ.get("PROBE_LEVELS", "48,64").split(",")]
-WATCH_S = float(os.environ.get("PROBE_WATCH_S", "240"))  # an arm's first prepare takes ~180 s on an H200
+WATCH_S = float(os.environ.get("PROBE_WATCH_S", "420"))  # an arm's first prepare takes 150-300 s on an H200
 
 
 def merged(a: dict, b: dict) -> dict:
