@@ -53,7 +53,8 @@ def line(name: str, lv: dict) -> str:
     return (
         f"{name} | {lv['value']} users | TTFA p50/p90/p99 {lv['ttfa_ms']['p50']:.0f}/{lv['ttfa_ms']['p90']:.0f}/"
         f"{lv['ttfa_ms']['p99']:.0f} ms | underruns {lv['underruns']} | codes/s {lv['tokens_per_s']:.0f} | "
-        f"busy {lv['busy_fraction']:.2f} | device {r(lv['device_busy'])} | host {r(lv['host_busy'])} | "
+        f"busy {lv['busy_fraction']:.2f} | device {r(lv['device_busy'])} | alone {r(lv.get('device_alone', {}))} | "
+        f"host {r(lv['host_busy'])} | "
         f"rows a step {lv['mean_active_slots']:.1f} | steps {lv['iterations']} | peak {lv['peak_streams']} | "
         f"queued p99 {lv['queued_ms']['p99']:.0f} ms | iteration p50/p99/max {lv['iteration_ms']['p50']:.1f}/"
         f"{lv['iteration_ms']['p99']:.1f}/{lv['iteration_ms']['max']:.0f} ms | slowest tenth queued/chunk/PCM "

@@ -320,7 +320,9 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     first three: the first PCM, after 6 codes, is 80 ms) and the rest on the other, the
     host never waiting: each stream's PCM (its `sink`) is what it gives alone, in its own call order;
     with flow slots too (each call solving new frames only, its slot written inside the graph; warm
-    makes the later lane's solves at both of `frames_a_call`).
+    makes the later lane's solves at both of `frames_a_call`). Then every graph they replayed is priced
+    alone, replayed by itself as the load does once its levels end (serve/alone.py), and the same streams
+    served again still give what they give alone: those replays wrote only what ended streams held.
     TF32 off: the tolerance is float32's."""
     import copy
 
@@ -342,21 +344,34 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     g = torch.Generator().manual_seed(3)
     lengths, chunk = {1: 26, 2: 17, 3: 30}, 5
     codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
-    readies, made = [], dict.fromkeys(lengths, 0)
-    for done in range(0, 30, chunk):
-        pieces = [Piece(k, codes[k][done : done + chunk], done, done + chunk >= n) for k, n in lengths.items() if done < n]
-        urgent_of = {p.stream: made[p.stream] < chunk * SPC for p in pieces}  # as the scheduler: until a chunk's audio
-        for urgent in (True, False):
-            part = [p for p in pieces if urgent_of[p.stream] == urgent]
-            if part:
-                ready, samples = lanes(part, urgent)
-                readies.append(ready)
-                made.update({p.stream: made[p.stream] + n for p, n in zip(part, samples, strict=True)})
+
+    def serve() -> tuple[list, dict]:
+        got.clear()
+        readies, made = [], dict.fromkeys(lengths, 0)
+        for done in range(0, 30, chunk):
+            pieces = [Piece(k, codes[k][done : done + chunk], done, done + chunk >= n) for k, n in lengths.items() if done < n]
+            urgent_of = {p.stream: made[p.stream] < chunk * SPC for p in pieces}  # as the scheduler: until a chunk's audio
+            for urgent in (True, False):
+                part = [p for p in pieces if urgent_of[p.stream] == urgent]
+                if part:
+                    ready, samples = lanes(part, urgent)
+                    readies.append(ready)
+                    made.update({p.stream: made[p.stream] + n for p, n in zip(part, samples, strict=True)})
+        return readies, urgent_of
+
+    def each_its_own() -> None:
+        for k, n in lengths.items():
+            own = alone(dec, voice, k, codes[k].to(dev), chunk)
+            mine = torch.cat(got[k])
+            assert mine.shape == own.shape == (n * SPC,) and (mine - own).abs().max() <= ATOL_PCM, k
+
+    readies, urgent_of = serve()
     assert lanes.first_codes == 6 and not any(urgent_of.values())  # the last pieces went to the other lane
     assert all(r(True) > 0 for r in readies) and not lanes.batch.streams and not lanes.batch.slot_of
-    for k, n in lengths.items():
-        own = alone(dec, voice, k, codes[k].to(dev), chunk)
-        mine = torch.cat(got[k])
-        assert mine.shape == own.shape == (n * SPC,) and (mine - own).abs().max() <= ATOL_PCM, k
+    each_its_own()
     assert len(lanes.batch.graphs.graphs) == graphs == lanes.batch.graphs.captured  # warm made every shape met
     assert load.graphs_of(None, lanes) == [lanes.batch.graphs]  # what the load counts mid-level
+    served = lanes.batch.graphs.replays  # every graph the streams replayed, priced alone as the load does (serve/alone.py)
+    assert set(lanes.batch.graphs.alone_ms(served)) == set(served) and len(served) > 2
+    serve()  # those replays wrote only what the ended streams held: the same streams again give what they gave
+    each_its_own()

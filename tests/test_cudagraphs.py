@@ -57,6 +57,26 @@ def test_call_copies_each_calls_inputs_into_the_keys_static_buffers():
     assert len(graphs.graphs) == 1 and len(graphs.inputs["add"]) == 2
 
 
+@needs_cuda
+def test_replays_are_counted_by_key_and_each_graph_priced_alone():
+    """`Graphs.run` counts each key's replays (the capturing call's one included: its work ran); `alone_ms`
+    times a graph by itself: one that does eight times the work of another takes longer, a key dropped
+    since is left out, and a replay alone redoes the graph's write (here the same values again)."""
+    device = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=device)
+    graphs, out = Graphs(device), torch.empty(2048, 2048, device=device)
+    for _ in range(3):
+        graphs.run("one", lambda: torch.mm(a, a, out=out))
+    graphs.run("eight", lambda: [torch.mm(a, a) for _ in range(8)][-1])
+    graphs.run("dropped", lambda: a * 2)
+    graphs.drop(lambda key: key == "dropped")
+    assert graphs.replays == {"one": 3, "eight": 1, "dropped": 1}
+    before = out.clone()
+    ms = graphs.alone_ms(["one", "eight", "dropped"])
+    assert set(ms) == {"one", "eight"} and 0 < ms["one"] < ms["eight"] and ms["eight"] > 4 * ms["one"]
+    assert torch.equal(out, before) and graphs.replays["one"] == 3  # pricing is not serving's work
+
+
 def test_later_pieces_below_decoding_only_when_asked_and_their_graphs_keep_it():
     """Lower is higher. The engine's graphs, called from the default stream (0), are captured above it; a
     lane's graphs at the lane's own priority. Urgent pieces above decoding; later ones at decoding's, or

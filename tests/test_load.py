@@ -198,6 +198,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
         assert 0 < s["all_with_prompts"] < 1 and s["all_beside_later"] == s["beside_later"] == 0  # no detokenizer
         assert lv["anchor_put_off"] == 0 and lv["detokenizer_calls"] == {}  # no detokenizer, no clock anchor or calls
         assert lv["graphs_captured"] == {"n": 0, "seconds": 0.0} and lv["alloc_retries"] == s["captured"] == 0  # the CPU
+        assert "device_alone" not in lv  # no CUDA graphs to price (serve/alone.py)
     assert out["levels"][0]["peak_streams"] == 1  # one user: one reply at a time
     ok = [lv["value"] for lv in out["levels"][:2] if lv["ttfa_ms"]["p99"] <= 200 and not lv["underruns"]]
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
@@ -228,6 +229,11 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert [r.split(":")[0] for r in lines] == ["- closed, 1 users", "- closed, 3 users", "- Poisson 2/s"]
     assert all(" % began beside a later codec batch (of all 0 %)" in r and "host ms each: " in r for r in lines)
     assert not any("anchor" in r for r in lines)  # said only where a renewal was put off
+    alone = {"device_alone": {"decode": 0.38, "detokenize first": 0.2}, "device_alone_unpriced": 2}  # as a GPU's level has it
+    priced = out | {"memory": memory, "levels": [out["levels"][0] | alone, *out["levels"][1:]]}
+    said = [r for r in load_report.load_markdown(priced) if r.startswith("- closed, 1 users: decode")]
+    assert said == ["- closed, 1 users: decode 0.38, detokenizer first 0.20: 0.58 in all "
+                    "(2 replays of graphs dropped before, not priced)"]  # fmt: skip
     for most, capped in ((out["streams_at_slo"], True), (out["streams_at_slo"] + 4, False)):  # a search stopped at its most
         searched = out | {"memory": memory, "config": out["config"] | {"search_step": 4, "search_max": most}}
         assert ("the most the search offers" in "\n".join(load_report.load_markdown(searched))) == capped

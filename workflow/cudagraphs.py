@@ -22,7 +22,8 @@ each priority has its own pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
 from typing import TypeVar
 
 import torch
@@ -46,6 +47,7 @@ class Graphs:
         self.inputs: dict[Hashable, list[torch.Tensor]] = {}  # call's static input buffers, by key
         self.captured, self.capture_s = 0, 0.0  # graphs captured so far, and the host's seconds in it
         self.replay_s = 0.0  # the host's seconds in replays' launches: one blocks while the device's queue is full
+        self.replays: Counter[Hashable] = Counter()  # replays so far, by key: the work asked of the device (`alone_ms`)
 
     def call(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor) -> T:
         """fn(*args) replayed from the graph for `key`: args are copied into static buffers kept
@@ -95,7 +97,29 @@ class Graphs:
         t0 = time.perf_counter()
         graph.replay()
         self.replay_s += time.perf_counter() - t0
+        self.replays[key] += 1
         return out  # type: ignore[return-value]
+
+    def alone_ms(self, keys: Iterable[Hashable], repeat: int = 3) -> dict[Hashable, float]:
+        """Each key's graph replayed by itself, nothing else on the device: ms a replay (the mean of `repeat`
+        after an untimed one), what its work costs with no other stream's beside it. Keys no longer made
+        (`drop`) are left out. The replays redo the graph's writes: the caller makes sure they are harmless
+        (serving's, once every stream has ended, write only slots and pages that are free)."""
+        out: dict[Hashable, float] = {}
+        made = [key for key in keys if key in self.graphs]
+        if made:
+            torch.cuda.synchronize(self.device)
+        for key in made:
+            graph = self.graphs[key][0]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record()
+            for _ in range(repeat):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out[key] = start.elapsed_time(end) / repeat
+        return out
 
 
 def device_index(device: torch.device) -> int:

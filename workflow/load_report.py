@@ -95,11 +95,24 @@ def load_markdown(load: dict) -> list[str]:
             f"| {parts_cell(lv.get('slowest_ttfa_parts_ms'))} "
             f"| {lv['refused']} / {lv['failed']} |"
         )
+    priced = [lv for lv in levels if lv.get("device_alone")]
+    if priced:
+        lines += ["", "Each level's device time priced alone: every CUDA graph it replayed, timed by itself once the levels had "
+                  "run, a second (its work with nothing beside it; sampling and eager calls not in it):", ""]  # fmt: skip
+        lines += [f"- {level_name(lv)}: {alone_cell(lv)}" for lv in priced]
     slow = [(lv, s) for lv in levels if (s := lv.get("slow_iterations"))]
     if slow:
         lines += ["", "Each level's slowest hundredth of decoding iterations, and what they held against all its iterations:", ""]
         lines += [f"- {level_name(lv)}: {slow_line(s, lv['iterations'])}{held_note(lv)}{calls_note(lv)}" for lv, s in slow]
     return lines
+
+
+def alone_cell(lv: dict) -> str:
+    """A level's `device_alone` (serve/alone.py) in words: each phase's seconds a second, and their sum."""
+    a = lv["device_alone"]
+    said = ", ".join(f"{k.replace('detokenize', 'detokenizer')} {v:.2f}" for k, v in a.items())
+    unpriced = f" ({n} replays of graphs dropped before, not priced)" if (n := lv.get("device_alone_unpriced")) else ""
+    return f"{said}: {sum(a.values()):.2f} in all{unpriced}"
 
 
 def level_name(lv: dict) -> str:

@@ -41,6 +41,7 @@ from workflow.cudagraphs import Graphs, PoolMarks
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
+from workflow.serve import alone
 from workflow.serve.figures import TTFA_PARTS, Record, playback_end, slow_iterations, slowest_parts, timeline, underruns
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
 from workflow.serve.scheduler import Scheduler
@@ -156,10 +157,8 @@ def level_seed(seed: int, kind: str, value: float) -> int:
 
 
 def graphs_of(engine: Engine, detokenize: Detokenize | None) -> list[Graphs]:
-    """The CUDA graphs a level replays: the engine's and its detokenizer's (the codec decoder's batch, or
-    the stand-in's vocoder). One captured mid-level holds every stream while it is made."""
-    owners = [engine, getattr(detokenize, "batch", None), getattr(detokenize, "vocoder", None)]
-    return [g for o in owners if isinstance(g := getattr(o, "graphs", None), Graphs)]
+    """The CUDA graphs a level replays (`alone.graph_sets`). One captured mid-level holds every stream while it is made."""
+    return list(alone.graph_sets(engine, detokenize).values())
 
 
 def all_stamped(reqs: list[Request], level: Level) -> None:
@@ -338,8 +337,8 @@ def _levels(
     engine: Engine, detokenize: Detokenize | None, clock: Callable[[], float], cfg: LoadConfig, ids: Ids,
     chunk_tokens: int, sampling: Sampling,
 ) -> dict:  # fmt: skip
-    levels, example = [], None
-    made = prepare(engine, detokenize, cfg, chunk_tokens)
+    levels, example, priced = [], None, []
+    made, sets = prepare(engine, detokenize, cfg, chunk_tokens), alone.graph_sets(engine, detokenize)
     if cfg.warmup_s and cfg.closed:
         warm = LoadConfig(**(cfg.__dict__ | {"duration_s": cfg.warmup_s}))
         level = Level(warm, "closed", max(cfg.closed), ids, torch.Generator().manual_seed(cfg.seed - 1))
@@ -348,9 +347,11 @@ def _levels(
     def one(kind: str, value: float, searched: bool = False) -> dict:
         """Runs a level and records it; its result."""
         nonlocal example
-        g = torch.Generator().manual_seed(level_seed(cfg.seed, kind, value))
+        g, before = torch.Generator().manual_seed(level_seed(cfg.seed, kind, value)), alone.replays(sets)
         result, done = run_level(engine, detokenize, clock, Level(cfg, kind, value, ids, g), chunk_tokens, sampling)
-        levels.append(result | {"searched": searched})
+        result = result | {"searched": searched}
+        levels.append(result)
+        priced.append((result, alone.replays(sets) - before))  # its graphs priced alone once every level has run
         print(
             f"load {kind} {value:g}{' (search)' if searched else ''}: TTFA p99 {result['ttfa_ms']['p99']:.1f} ms, "
             f"{result['underruns']} underruns, {result['tokens_per_s']:.0f} codes/s, busy {result['busy_fraction']:.2f}",
@@ -370,6 +371,8 @@ def _levels(
     while cfg.search_step and (n := next_search_level(held, cfg.search_step, cfg.search_max)) is not None:
         held[n] = holds(one("closed", n, searched=True), cfg.ttfa_slo_ms)
     ok = [n for n, yes in held.items() if yes]
+    if sets:  # every stream has ended: replaying a graph alone writes only free slots and pages
+        alone.price(priced, sets, getattr(detokenize, "priorities", {}).get("urgent"))
     return {
         "config": cfg.__dict__,
         "levels": levels,
