@@ -102,6 +102,8 @@ def main() -> None:
     if all("streams_at_slo" in r["summary"] for r in runs.values()):  # runs with the load benchmark
         s["streams_at_slo"] = per("streams_at_slo")
         s["ttfa_slo_ms"] = runs[ran[0]]["summary"]["ttfa_slo_ms"]
+    if all("codec_gpu_share_at_slo" in r["summary"] for r in runs.values()):  # the load's levels priced alone
+        s["codec_gpu_share_at_slo"] = per("codec_gpu_share_at_slo")
     if len(runs) == 2:
         step = s.get("decode_step_amortized_ms", s["decode_step_ms"])  # a reply's steps, the text catch-up spread over them
         s["fp8_decode_speedup"] = step["bf16"] / step["fp8"]
@@ -114,6 +116,9 @@ def main() -> None:
         n, slo = SLO_GOAL[kind], s["ttfa_slo_ms"]
         streams += [(f"streams_at_slo.{p}", ">=", n, f">= {n} streams at TTFA p99 <= {slo:g} ms ({p})") for p in ran]
     codec = [g for g in CODEC_GOALS if g[0].split(".")[1] in ran] if "ttfa_ms_p50_codec" in s else []
+    if "codec_gpu_share_at_slo" in s:  # its work priced alone at the level of streams at the SLO (serve/alone.py)
+        third = "the codec decoder's work <= a third of the GPU at streams at the SLO"
+        codec += [(f"codec_gpu_share_at_slo.{p}", "<=", 1 / 3, f"{third} ({p})") for p in ran]
     for path, op, limit, text in GOALS + streams + codec:
         got = figure(s, path)
         met = None if got is None else got <= limit if op == "<=" else got >= limit

@@ -250,3 +250,23 @@ def test_streams_at_the_slo_come_from_runs_with_the_load_benchmark(tmp_path):
         del b["summary"]["streams_at_slo"], b["summary"]["ttfa_slo_ms"]
         path.write_text(json.dumps(b))
     assert "streams_at_slo" not in collect(tmp_path, run, "bf16", "fp8")
+
+
+def test_the_codecs_share_of_the_gpu_is_judged_against_a_third_where_priced(tmp_path):
+    """summary.json gains the codec decoder's work priced alone at the level of streams at the SLO
+    (`codec_gpu_share_at_slo`), judged against issue 32's third; a run that did not price it (the CPU:
+    null) is "not measured", and a run from before the pricing has neither figure nor goal."""
+    run = tmp_path / "run"
+    shutil.copytree(RESULTS / RUNS[1], run)
+    for p, share in (("bf16", 0.30), ("fp8", None)):
+        path = run / f"torch-{p}" / "benchmark" / "benchmark.json"
+        b = json.loads(path.read_text())
+        b["summary"]["codec_gpu_share_at_slo"] = share
+        path.write_text(json.dumps(b))
+    got = collect(tmp_path, run, "bf16", "fp8")
+    goals = {g["figure"]: g for g in got["goals"]}
+    assert got["codec_gpu_share_at_slo"] == {"bf16": 0.30, "fp8": None}
+    assert goals["codec_gpu_share_at_slo.bf16"]["met"] is True and goals["codec_gpu_share_at_slo.fp8"]["met"] is None
+    assert goals["codec_gpu_share_at_slo.bf16"]["limit"] == pytest.approx(1 / 3)
+    before = collect(tmp_path, RESULTS / RUNS[1], "bf16", "fp8")
+    assert "codec_gpu_share_at_slo" not in before and not any("share" in g["figure"] for g in before["goals"])

@@ -72,3 +72,17 @@ def test_the_load_prices_each_levels_replays_once_every_level_has_run(monkeypatc
     out = load.run(None, None, lambda: 0.0, cfg, Ids.of(PRESETS["tiny"]), 5, Sampling())
     assert order == [2, 4, 6] and len(engine.timed) == 1
     assert [lv["device_alone"] for lv in out["levels"]] == [{"decode": pytest.approx(0.005 * 10 * n)} for n in order]
+
+
+def test_the_detokenizers_share_is_read_at_the_level_of_streams_at_the_slo():
+    """Both lanes' work priced alone at the closed level of `streams_at_slo` users, not another level's;
+    None where that level was not priced or none held."""
+    levels = [
+        {"kind": "closed", "value": 32, "device_alone": {"decode": 0.3, "detokenize": 0.2, "detokenize first": 0.1}},
+        {"kind": "closed", "value": 64, "device_alone": {"decode": 0.4, "detokenize": 0.3, "detokenize first": 0.15}},
+        {"kind": "open", "value": 64, "device_alone": {"detokenize": 0.9}},
+    ]
+    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 64}) == pytest.approx(0.45)
+    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 32}) == pytest.approx(0.3)
+    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 0}) is None
+    assert alone.detokenizer_share({"levels": [{"kind": "closed", "value": 4}], "streams_at_slo": 4}) is None

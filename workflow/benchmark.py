@@ -41,7 +41,7 @@ from workflow.generate import Ids, Sampling
 from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, ReferenceEngine
 from workflow.report import percentiles
-from workflow.serve import load
+from workflow.serve import alone, load
 from workflow.serve.load import LoadConfig
 from workflow.spec import ModelSpec, load_spec
 from workflow.stream import SECONDS_PER_TOKEN, audio_seconds, check_stream, run_stream
@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     b["summary"] = summarize(b, concurrency, p["num_tokens"])
     if load_cfg:
         b["summary"] |= {"streams_at_slo": b["load"]["streams_at_slo"], "ttfa_slo_ms": b["load"]["ttfa_slo_ms"]}
+        b["summary"] |= {"codec_gpu_share_at_slo": alone.detokenizer_share(b["load"])}
     b |= {
         "engine": {
             "path": str(args.engine),

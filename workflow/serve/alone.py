@@ -58,3 +58,12 @@ def price(levels: list[tuple[dict, Replays]], sets: dict[str, Graphs], urgent: i
         result["device_alone"] = {p: s / result["wall_s"] for p, s in sorted(seconds.items())}
         result["device_alone_unpriced"] = sum(n for k, n in took.items() if k not in ms)
     print(f"load: {len(ms)} graphs priced alone in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
+def detokenizer_share(load: dict) -> float | None:
+    """The detokenizer's work priced alone (both lanes), a second, at the closed level of `streams_at_slo`
+    users: what issue 32 asks to stay within a third of the GPU at serving's load. None where that level
+    was not priced (the CPU, no level held, or a file from before the pricing)."""
+    at = [lv for lv in load["levels"] if lv["kind"] == "closed" and lv["value"] == load["streams_at_slo"]]
+    priced = at[0].get("device_alone") if at else None
+    return sum(v for k, v in priced.items() if k.startswith("detokenize")) if priced else None
