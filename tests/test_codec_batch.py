@@ -373,5 +373,6 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     assert load.graphs_of(None, lanes) == [lanes.batch.graphs]  # what the load counts mid-level
     served = lanes.batch.graphs.replays  # every graph the streams replayed, priced alone as the load does (serve/alone.py)
     assert set(lanes.batch.graphs.alone_ms(served)) == set(served) and len(served) > 2
-    serve()  # those replays wrote only what the ended streams held: the same streams again give what they gave
+    readies, _ = serve()  # those replays wrote only what the ended streams held: the same streams again give what they gave
+    assert all(r(True) > 0 for r in readies) and not lanes.batch.streams
     each_its_own()
