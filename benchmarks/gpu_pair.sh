@@ -24,7 +24,7 @@
 # The codec decoder's A/B needs no engine, so it runs on a fresh machine, one GPU, before anything else
 # (probe_codec.py: its codec section per arm, ~1 min an arm at the true shape):
 #
-#   CODEC_ARMS='{"fp16 HiFT": {"hift_dtype": "float16"}}' MOSSBUILD_CONFIGFILE=config/h200.yaml bash benchmarks/gpu_pair.sh c
+#   CODEC_ARMS='{"float32 HiFT": {"hift_dtype": "float32"}}' MOSSBUILD_CONFIGFILE=config/h200.yaml bash benchmarks/gpu_pair.sh c
 #
 # e.g. pace with more streams open, their flow pages in float8 (twice the audio in h200.yaml's ~46 GB):
 #   printf 'benchmark:\n  load: {slots: 40}\n  codec: {slots: 40, pool_seconds: 720, fp8_pages: true}\n' > /tmp/wide.yaml

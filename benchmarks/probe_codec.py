@@ -5,7 +5,7 @@ of `benchmark.codec` as the configs give it (config/config.yaml, then each file 
 baseline is left out. A line per call, variant and batch as it is timed, then every arm's calls as JSON.
 `gpu_pair.sh c` runs it.
 
-    CODEC_ARMS='{"fp16 HiFT": {"hift_dtype": "float16"}}' PYTHONPATH=. \\
+    CODEC_ARMS='{"float32 HiFT": {"hift_dtype": "float32"}}' PYTHONPATH=. \\
         python benchmarks/probe_codec.py <out.json> config/full.yaml config/h200.yaml
 """
 
