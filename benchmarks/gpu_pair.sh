@@ -64,7 +64,8 @@ side() { local log pin=(); log=$OUT/gpu$1-$(echo "${@:2}" | tr ' ' -).log
 both() { side 0 $1 & side 1 $2 & wait; }  # each a precision and a rule, split
 cores() { local half=$(( $(nproc) / gpus )); echo "$(( $1 * half ))-$(( $1 * half + half - 1 ))"; }  # GPU i's share of the cores
 # tests <gpu> <log> <test ...>: pytest on GPU i with its share of the cores, its output in $OUT/<log>
-tests() { CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. taskset -c "$(cores "$1")" \
+# (limit=<s> before it: cut after that many seconds, exit 124; none: no limit)
+tests() { CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. timeout "${limit:-0}" taskset -c "$(cores "$1")" \
               python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/$2" 2>&1 && rc=0 || rc=$?; echo "tests exit $rc" >> "$OUT/$2"; }
 # a call whose earlier calls' outputs are not here met a fresh machine (the one held was given back, e.g. idle
 # 30 s between calls: H200 run 14): it stops at once, where redoing them would spend the session's device time
@@ -83,9 +84,7 @@ levels() { if [ "$1" = bf16 ]; then echo "${PROBE_BF16:-}"; else echo "${PROBE_F
 # one GPU: what the stage has left after FP8's build and no probe (~250 s) runs the CUDA tests, the first ones
 # (the flow slots' and their float8 pages') before the codec's, cut at the stage's end
 spare_tests() { local left=$(( deadline - SECONDS )); [ "$left" -ge 60 ] || return 0
-                CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:. timeout "$left" python3 -m pytest -q -p no:cacheprovider \
-                    "${FIRST_TESTS[@]}" "${CODEC_TESTS[@]}" > "$OUT/cuda-tests.log" 2>&1 && rc=0 || rc=$?
-                echo "tests exit $rc (124: cut at the stage's end)" >> "$OUT/cuda-tests.log"; }
+                limit=$left tests 0 cuda-tests.log "${FIRST_TESTS[@]}" "${CODEC_TESTS[@]}"; }
 step=${1:?step 1, 2, 3 or 4 (a run of record), p1, p2 or p3 (a serving A/B), or c (an A/B of the codec)}
 case $one in bf16 | fp8) ;; *) echo "PROBE_ONE must be bf16 or fp8, got $one" >&2; exit 2 ;; esac
 case $step in 1 | 2 | 3 | 4) [ "$gpus" -gt 1 ] || { echo "step $step needs two GPUs; this machine has $gpus" >&2; exit 2; } ;; esac

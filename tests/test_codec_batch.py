@@ -21,6 +21,7 @@ from workflow.detokenize import Piece
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
 from workflow.serve import load
+from workflow.serve.alone import graph_sets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -370,7 +371,7 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     assert all(r(True) > 0 for r in readies) and not lanes.batch.streams and not lanes.batch.slot_of
     each_its_own()
     assert len(lanes.batch.graphs.graphs) == graphs == lanes.batch.graphs.captured  # warm made every shape met
-    assert load.graphs_of(None, lanes) == [lanes.batch.graphs]  # what the load counts mid-level
+    assert graph_sets(None, lanes) == {"detokenizer": lanes.batch.graphs}  # what the load counts mid-level
     served = lanes.batch.graphs.replays  # every graph the streams replayed, priced alone as the load does (serve/alone.py)
     assert set(lanes.batch.graphs.alone_ms(served)) == set(served) and len(served) > 2
     readies, _ = serve()  # those replays wrote only what the ended streams held: the same streams again give what they gave

@@ -14,7 +14,7 @@ from workflow import load_report, traffic
 from workflow.cudagraphs import Graphs
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
-from workflow.serve import figures, load
+from workflow.serve import alone, figures, load
 from workflow.serve.request import Request, ServeConfig, pcm_rate
 from workflow.serve.scheduler import Iteration, Scheduler
 from workflow.serve.waits import Counts
@@ -122,7 +122,8 @@ def test_a_graph_captured_mid_level_is_counted_and_found_in_the_slow_iterations(
     assert slow["captured"] * slow["n"] == 1 and slow["mean_ms"] * slow["n"] >= 1000
     assert lv["waits"]["gc_runs"] >= 1 and slow["gc"] * slow["n"] >= 1  # it met the collection
     assert lv["waits"]["pinned_allocs"] == lv["waits"]["device_mallocs"] == 0  # the CPU has neither
-    assert load.graphs_of(engine, None) == [engine.graphs] and load.graphs_of(load_engine(tiny_engine_dir), None) == []
+    assert alone.graph_sets(engine, None) == {"engine": engine.graphs}  # what the level counted
+    assert alone.graph_sets(load_engine(tiny_engine_dir), None) == {}  # the CPU engine has none
 
 
 @pytest.mark.parametrize("kind", ["closed", "open"])

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from workflow import traffic
-from workflow.cudagraphs import Graphs, PoolMarks
+from workflow.cudagraphs import PoolMarks
 from workflow.engines.base import Engine
 from workflow.generate import Ids, Sampling
 from workflow.report import percentiles
@@ -156,11 +156,6 @@ def level_seed(seed: int, kind: str, value: float) -> int:
     return seed + round(1000 * value) + (1 << 24 if kind == "open" else 0)
 
 
-def graphs_of(engine: Engine, detokenize: Detokenize | None) -> list[Graphs]:
-    """The CUDA graphs a level replays (`alone.graph_sets`). One captured mid-level holds every stream while it is made."""
-    return list(alone.graph_sets(engine, detokenize).values())
-
-
 def all_stamped(reqs: list[Request], level: Level) -> None:
     """After a flush every chunk made has its ready time: one without was lost on its way to the
     detokenizer (its stream's audio skips it) and a closed level would wait for it forever."""
@@ -185,7 +180,7 @@ def run_level(
     serve = cfg.serve_config(chunk_tokens, sampling)
     sched = Scheduler(engine, level.ids, serve, detokenize, clock, torch.Generator(engine.device).manual_seed(cfg.seed))
     rate, put_off = pcm_rate(detokenize), getattr(detokenize, "renewals_put_off", 0)
-    waits = Waits(engine.device, graphs_of(engine, detokenize))
+    waits = Waits(engine.device, list(alone.graph_sets(engine, detokenize).values()))  # a capture mid-level holds every stream
     first = waits.level()
     t0 = clock()
     pending = [t0 + t for t in level.first_arrivals()]  # arrival times not yet submitted
