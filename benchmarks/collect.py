@@ -116,7 +116,7 @@ def main() -> None:
         n, slo = SLO_GOAL[kind], s["ttfa_slo_ms"]
         streams += [(f"streams_at_slo.{p}", ">=", n, f">= {n} streams at TTFA p99 <= {slo:g} ms ({p})") for p in ran]
     codec = [g for g in CODEC_GOALS if g[0].split(".")[1] in ran] if "ttfa_ms_p50_codec" in s else []
-    if "codec_gpu_share_at_slo" in s:  # its work priced alone at the level of streams at the SLO (serve/alone.py)
+    if "codec_gpu_share_at_slo" in s:  # its part of the work priced alone at the level of streams at the SLO (alone.py)
         third = "the codec decoder's work <= a third of the GPU at streams at the SLO"
         codec += [(f"codec_gpu_share_at_slo.{p}", "<=", 1 / 3, f"{third} ({p})") for p in ran]
     for path, op, limit, text in GOALS + streams + codec:

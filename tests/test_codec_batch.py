@@ -218,12 +218,13 @@ def test_a_last_call_replays_what_warm_made_for_its_shape_and_runs_eager_where_i
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
-def test_more_streams_ending_at_once_than_warm_made_last_calls_for_replay_what_it_made(decoder, voice, monkeypatch):
-    """Five streams end in one batch where `CodecLanes.warm` made streams' ends (the flow's last solve and
-    HiFT's last passes) for up to two rows: they go in passes of at most two, each replaying a graph warm
-    made (graphs stood in for on the CPU), none captured while serving; each stream's PCM is its own alone."""
+def test_streams_ending_at_once_take_one_flow_pass_and_hift_passes_of_the_rows_warm_made(decoder, voice, monkeypatch):
+    """Five streams end in one batch where `CodecLanes.warm` made last calls' HiFT passes for up to two rows:
+    their last flow calls are one pass, the graph warm made for any call of that frame bucket (their context
+    -1s), HiFT's last passes go two rows at a time, each replaying a graph warm made (graphs stood in for on
+    the CPU), none captured while serving; each stream's PCM is its own alone."""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Lane", (), {"priority": -1})())
-    batch = CodecBatch(decoder, voice, bucket=lambda n: 2 if n <= 2 else 6, slots=6, max_codes=20)
+    batch = CodecBatch(decoder, voice, bucket=lambda n: 2 if n <= 2 else 6, pad_frames=16, slots=6, max_codes=20)
     batch.graphs = graphs = GraphCalls()  # type: ignore[assignment]
     lanes = CodecLanes(batch, torch.device("cpu"), time.perf_counter)
     lanes.warm(5, 5, 20, few=2)
@@ -237,10 +238,38 @@ def test_more_streams_ending_at_once_than_warm_made_last_calls_for_replay_what_i
         pieces = [Piece(k, c[done : done + n], done, done + n == len(c)) for k, c in codes.items()]
         for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
             pcm[p.stream].append(x)
-    ends = graphs.keys[start:]  # the last batch's: its flow's last solves, then HiFT's F0 and network passes
+    ends = graphs.keys[start:]  # the last batch's: its flow pass, then HiFT's F0 and network passes
     assert set(graphs.keys) <= made  # nothing captured while serving
-    assert [k[0] for k in ends] == ["slots"] * 3 + ["f0"] * 3 + ["hift"] * 3  # 5 rows as 2 + 2 + 1, each replayed
-    assert all((k[1] if k[0] == "slots" else k[-2])[0] == 2 for k in ends)  # each padded to the 2 rows warm made
+    assert [k[0] for k in ends] == ["slots"] + ["f0"] * 3 + ["hift"] * 3  # HiFT's 5 rows as 2 + 2 + 1, each replayed
+    assert ends[0][1][0] == 6 and all(k[-2][0] == 2 for k in ends[1:])  # the flow's 5 rows padded to 6, HiFT's to 2
+    for k, c in codes.items():
+        assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
+
+
+def test_a_last_piece_goes_with_its_streams_held_chunks_and_the_others_calls_in_one_flow_pass(decoder, voice, monkeypatch):
+    """Two slotted streams send their first chunk, then two held chunks each, stream 1's last piece with them:
+    that batch is one flow pass of two rows (stream 1's chunks and its end one call, its context -1s), not a
+    second pass for the end, and each stream's PCM is its own alone."""
+    batch = CodecBatch(decoder, voice, slots=2, max_codes=40, later_frames=80)
+    g = torch.Generator().manual_seed(8)
+    codes = {1: torch.randint(0, 1000, (18,), generator=g), 2: torch.randint(0, 1000, (26,), generator=g)}
+    passes: list[list[bool]] = []
+    real = CodecBatch.mel
+
+    def counted(self, calls, keys=None, solve=0):
+        passes.append([c.finalize for c in calls])
+        return real(self, calls, keys, solve)
+
+    monkeypatch.setattr(CodecBatch, "mel", counted)
+    fc, pcm = batch.first_codes, {k: [] for k in codes}
+    steps = [[(k, 0, fc, False) for k in codes], [(1, fc, 18 - fc, True), (2, fc, 10, False)], [(2, fc + 10, 26 - fc - 10, True)]]
+    for step in steps:
+        passes.clear()
+        pieces = [Piece(k, codes[k][a : a + n], a, last) for k, a, n, last in step]
+        for p, x in zip(pieces, batch.vocodes(batch.flows(pieces)), strict=True):
+            pcm[p.stream].append(x)
+        if step is steps[1]:
+            assert passes == [[True, False]]  # one pass: stream 1's held chunks and its end, stream 2's chunks
     for k, c in codes.items():
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 

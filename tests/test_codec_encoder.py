@@ -220,6 +220,20 @@ def test_padded_rows_give_what_they_give_alone(chunk):
         torch.testing.assert_close(batch[1:, :, : 15 * s], alone, atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_a_row_whose_context_is_minus_ones_ends_there_beside_a_row_with_context():
+    """A last call (no codes follow) rides in a batch of calls with context: its context of -1s reads as the
+    utterance's end, exactly what it gives with no context, while the other row still reads its context."""
+    model, x, s, la = tiny_model(), tokens(2, 23), TINY.stride, TINY.lookahead
+    ctx = torch.cat([tokens(1, la, seed=2), torch.full((1, la), -1)])
+    lengths = torch.tensor([20, 23])
+    batch = model(x, lengths, chunk=CHUNK, context=ctx)
+    torch.testing.assert_close(batch[1:], model(x[1:], chunk=CHUNK), atol=1e-5, rtol=1e-5)
+    with_context = model(x[:1, :20], chunk=CHUNK, context=ctx[:1])
+    torch.testing.assert_close(batch[:1, :, : 20 * s], with_context, atol=1e-5, rtol=1e-5)
+    assert differs(model(x[:1, :20], chunk=CHUNK), with_context)  # the first row's context counts
+
+
 def test_load_flow_state_skips_the_estimator_and_training_counters():
     source, target = tiny_model(seed=0), tiny_model(seed=1)
     state = dict(source.state_dict()) | {"decoder.estimator.out.weight": torch.zeros(3), "epoch": 7, "step": 900}

@@ -13,7 +13,7 @@ from workflow.spec import PRESETS
 URGENT, LATER = -3, -2
 PREFILL = ((2, 512, 2), "admit", True, False)  # the engine's keys: (tokens' shape, kind, ...), or the catch-up's
 STEP, CATCH_UP = ((8, 1, 2), "step", True, 256, False), ("catch-up", 8, 3, 256)
-FIRST, HELD, HIFT = ("slots", (2, 60), 60, False, URGENT), ("slots", (8, 160), 160, False, LATER), ("hift", 8, 160, LATER)
+FIRST, HELD, HIFT = ("slots", (2, 60), 60, URGENT), ("slots", (8, 160), 160, LATER), ("hift", 8, 160, LATER)
 
 
 class Priced:
@@ -31,19 +31,24 @@ def test_each_replay_is_priced_alone_in_its_phase():
     """Two levels: each phase's seconds a second are its replays times their graphs' ms alone over the
     level's wall time; the engine's admissions are prefill, its steps and catch-ups decode, the
     detokenizer's urgent-lane graphs its first pieces'. Each graph is timed once for both levels, and a
-    dropped graph's replays are counted as unpriced."""
+    dropped graph's replays are counted as unpriced. Each level lists its graphs by their priced seconds,
+    most first."""
     engine = Priced({PREFILL: 10.0, STEP: 4.0, CATCH_UP: 1.0})
-    detok = Priced({FIRST: 18.0, HELD: 50.0, HIFT: 9.0, ("slots", (1, 20), 20, True, LATER): None})
+    detok = Priced({FIRST: 18.0, HELD: 50.0, HIFT: 9.0, ("slots", (1, 20), 20, LATER): None})
     sets = {"engine": engine, "detokenizer": detok}
     one = Counter({("engine", PREFILL): 2, ("engine", STEP): 100, ("detokenizer", FIRST): 3})
     two = Counter({("engine", STEP): 50, ("engine", CATCH_UP): 4, ("detokenizer", HELD): 2, ("detokenizer", HIFT): 2})
-    two[("detokenizer", ("slots", (1, 20), 20, True, LATER))] = 5
+    two[("detokenizer", ("slots", (1, 20), 20, LATER))] = 5
     levels = [({"wall_s": 2.0}, one), ({"wall_s": 0.5}, two)]
     alone.price(levels, sets, URGENT)
     (a, _), (b, _) = levels
     assert a["device_alone"] == pytest.approx({"prefill": 0.010, "decode": 0.200, "detokenize first": 0.027})
     assert b["device_alone"] == pytest.approx({"decode": 0.408, "detokenize": 0.236})
     assert (a["device_alone_unpriced"], b["device_alone_unpriced"]) == (0, 5)
+    assert [(g["owner"], g["phase"], g["replays"], g["ms"]) for g in b["device_alone_graphs"]] == [
+        ("engine", "decode", 50, 4.0), ("detokenizer", "detokenize", 2, 50.0), ("detokenizer", "detokenize", 2, 9.0),
+        ("engine", "decode", 4, 1.0)]  # fmt: skip
+    assert a["device_alone_graphs"][0]["key"] == repr(STEP)
     assert engine.timed == [{PREFILL, STEP, CATCH_UP}] and len(detok.timed) == 1  # once, every level's keys
 
 
@@ -75,14 +80,15 @@ def test_the_load_prices_each_levels_replays_once_every_level_has_run(monkeypatc
 
 
 def test_the_detokenizers_share_is_read_at_the_level_of_streams_at_the_slo():
-    """Both lanes' work priced alone at the closed level of `streams_at_slo` users, not another level's;
-    None where that level was not priced or none held."""
+    """Both lanes' part of all the work priced alone at the closed level of `streams_at_slo` users, not another
+    level's (nor seconds a second: phases side by side can sum past one); None where that level was not
+    priced or none held."""
     levels = [
         {"kind": "closed", "value": 32, "device_alone": {"decode": 0.3, "detokenize": 0.2, "detokenize first": 0.1}},
         {"kind": "closed", "value": 64, "device_alone": {"decode": 0.4, "detokenize": 0.3, "detokenize first": 0.15}},
         {"kind": "open", "value": 64, "device_alone": {"detokenize": 0.9}},
     ]
-    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 64}) == pytest.approx(0.45)
-    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 32}) == pytest.approx(0.3)
+    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 64}) == pytest.approx(0.45 / 0.85)
+    assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 32}) == pytest.approx(0.5)
     assert alone.detokenizer_share({"levels": levels, "streams_at_slo": 0}) is None
     assert alone.detokenizer_share({"levels": [{"kind": "closed", "value": 4}], "streams_at_slo": 4}) is None

@@ -3,6 +3,8 @@ each level's slowest iterations and what held them, in words."""
 
 from __future__ import annotations
 
+from workflow.serve import alone
+
 FIRST = "detokenize first"  # the device_busy phase of the detokenizer's urgent lane (serve/scheduler.py)
 
 
@@ -108,11 +110,12 @@ def load_markdown(load: dict) -> list[str]:
 
 
 def alone_cell(lv: dict) -> str:
-    """A level's `device_alone` (serve/alone.py) in words: each phase's seconds a second, and their sum."""
+    """A level's `device_alone` (serve/alone.py) in words: each phase's seconds a second, their sum, and the
+    detokenizer's part of it."""
     a = lv["device_alone"]
     said = ", ".join(f"{k.replace('detokenize', 'detokenizer')} {v:.2f}" for k, v in a.items())
     unpriced = f" ({n} replays of graphs dropped before, not priced)" if (n := lv.get("device_alone_unpriced")) else ""
-    return f"{said}: {sum(a.values()):.2f} in all{unpriced}"
+    return f"{said}: {sum(a.values()):.2f} in all, the detokenizer's {alone.share(a):.0%}{unpriced}"
 
 
 def level_name(lv: dict) -> str:

@@ -9,10 +9,10 @@ now due (one per `chunk` codes, and a stream's last), and runs them together, th
 and the others' apart:
 
 - the flow: one front end over every call's codes, the rows right-padded, each with its own length
-  and lookahead context, then one solve over their frames. A stream's last call (no context) goes
-  in a second batch. Under chunk masks the padding after a row's end changes none of its frames
-  (keys past a frame's chunk are never read, convolutions look left), so each row gives what its
-  stream gives alone. With `pad_frames` the frames are padded to a multiple of it and the rows to
+  and lookahead context (a stream's last call: -1s, read as the utterance's end), then one solve over
+  their frames. Under chunk masks the padding after a row's end changes none of its frames (keys past
+  a frame's chunk are never read, convolutions look left), so each row gives what its stream gives
+  alone. With `pad_frames` the frames are padded to a multiple of it and the rows to
   `bucket(n)`: on CUDA the whole flow (front end and solve) is a graph per shape and lane;
 - HiFT: every call at once, a stream's several (chunks that waited) too: first each call's F0 (its
   frames are known), then each stream's source phase carried from one of its calls to the next, then
@@ -75,7 +75,7 @@ class CodecBatch:
         self.slot_count, self.slot_frames, self.base, self.pages, self.fp8_pages = slots, 0, 0, 0, fp8_pages
         self.pass_rows = slots  # the most rows a HiFT pass takes (0: all); `CodecLanes.warm`: the rows it made graphs for
         self.make_last = False  # `CodecLanes.warm`: last calls' HiFT passes captured too (`_graphed`)
-        self.last_rows = 0  # the most rows a last call's flow or HiFT pass takes (0: as any other's); `warm`: its `few`
+        self.last_rows = 0  # the most rows a last call's HiFT pass takes (0: as any other's); `warm`: its `few`
         self.frames_a_call: tuple[int, ...] = ()  # with slots: the frames a row a solve takes, fewest first
         self.slots: FlowSlots | None = None  # made when a stream first needs one (`release` gives them back)
         self.slot_of: dict[int, int] = {}  # each stream's slot
@@ -144,9 +144,10 @@ class CodecBatch:
 
     @torch.inference_mode()
     def flows(self, pieces: list[Piece]) -> Work:
-        """Stage one: add each piece's codes to its stream and run every flow call now due. A stream may
-        have several pieces in a batch (chunks that waited): its calls keep their order, and with a slot
-        its consecutive calls run as one (`_jobs`)."""
+        """Stage one: add each piece's codes to its stream and run every flow call now due, last calls with
+        the others. A stream may have several pieces in a batch (chunks that waited): its calls keep their
+        order, and with a slot its consecutive calls run as one (`_jobs`), so a batch is one flow pass, or
+        one a round where a stream's calls outgrow the largest of `frames_a_call`."""
         due, calls = [(self.stream(p.stream), p) for p in pieces], []
         for s, p in due:  # a piece must follow its stream's codes: one lost or out of order would give wrong audio
             if p.done != len(s.codes):
@@ -158,17 +159,15 @@ class CodecBatch:
         jobs = self._jobs(pieces, calls)
         mels: list[list[Tensor]] = [[] for _ in pieces]
         for r in range(max(map(len, jobs.values()), default=0)):
-            for finalize in (False, True):
-                now = [(k, js[r]) for k, js in jobs.items() if r < len(js) and js[r][0].finalize == finalize]
-                for slotted in (True, False):
-                    batch = [(k, job) for k, job in now if (k in self.slot_of) == slotted]
-                    most = (self.last_rows if finalize else 0) or len(batch) or 1  # streams' ends: as warm made them
-                    for part in (batch[a : a + most] for a in range(0, len(batch), most)):
-                        got = self.mel([call for _, (call, _) in part], finalize, [k for k, _ in part])
-                        for (_, (_, parts)), m in zip(part, got, strict=True):
-                            for i, n in parts:  # the frames each call keeps, in order
-                                mels[i].append(due[i][0].keep(m[:, :n]))
-                                m = m[:, n:]
+            now = [(k, js[r]) for k, js in jobs.items() if r < len(js)]
+            for slotted in (True, False):
+                batch = [(k, job) for k, job in now if (k in self.slot_of) == slotted]
+                if not batch:
+                    continue
+                for (_, (_, parts)), m in zip(batch, self.mel([c for _, (c, _) in batch], [k for k, _ in batch]), strict=True):
+                    for i, n in parts:  # the frames each call keeps, in order
+                        mels[i].append(due[i][0].keep(m[:, :n]))
+                        m = m[:, n:]
         for p in pieces:
             if p.last:
                 self.end(p.stream)
@@ -188,9 +187,9 @@ class CodecBatch:
 
     def _jobs(self, pieces: list[Piece], calls: list[list[FlowCall]]) -> dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]]:
         """Each stream's flow calls in order, as `mel` runs them, with the frames each call keeps and its
-        piece: with a slot, consecutive calls (not a last one) go as one call while their new frames fit
-        the largest of `frames_a_call` (chunk masks make the frames of one call over two chunks those of
-        two calls)."""
+        piece: with a slot, consecutive calls (a last one too, after the others) go as one call while their
+        new frames fit the largest of `frames_a_call` (chunk masks make the frames of one call over two
+        chunks those of two calls)."""
         stride, p, la = self.decoder.stride, len(self.prompt), self.decoder.cfg.encoder.lookahead
         jobs: dict[int, list[tuple[FlowCall, list[tuple[int, int]]]]] = {}
         start: dict[int, int] = {}  # each stream's first frame of its last job
@@ -200,9 +199,9 @@ class CodecBatch:
                 end = (p + len(c.codes) - (0 if c.finalize else la)) * stride
                 kept = end - (p + c.offset) * stride
                 last = js[-1][0] if js else None
-                merge = k in self.slot_of and last is not None and not (c.finalize or last.finalize)
+                merge = k in self.slot_of and last is not None and not last.finalize
                 if merge and end - start[k] <= self.frames_a_call[-1]:
-                    js[-1] = (FlowCall(c.codes, last.offset, streaming=True, finalize=False), [*js[-1][1], (i, kept)])
+                    js[-1] = (FlowCall(c.codes, last.offset, streaming=True, finalize=c.finalize), [*js[-1][1], (i, kept)])
                 else:
                     if k in self.slot_of:  # where this call starts solving: the slot's end, or the last job's
                         start[k] = self.solved[k] if last is None else (p + len(last.codes) - la) * stride
@@ -227,31 +226,31 @@ class CodecBatch:
         return list(torch.cat(flat).split([sum(t.numel() for t in parts) for parts in pcm]))  # one copy, not one a piece
 
     @torch.inference_mode()  # also when warm() calls it: no autograd graph holding every step's activations
-    def mel(self, calls: list[FlowCall], finalize: bool, keys: list[int] | None = None, solve: int = 0) -> list[Tensor]:
-        """The new frames [mels, n] of streaming calls, all final or none (the same lookahead), of the
-        streams `keys`: in their slots if they have them, else re-running every frame. keys None: calls
-        of no stream (`lanes.CodecLanes.warm`'s), in the scratch rows with slots, solving `solve` frames a row (0:
-        the fewest of `frames_a_call`)."""
+    def mel(self, calls: list[FlowCall], keys: list[int] | None = None, solve: int = 0) -> list[Tensor]:
+        """The new frames [mels, n] of streaming calls, last ones (no lookahead: their context -1s) among
+        the others, of the streams `keys`: in their slots if they have them, else re-running every frame.
+        keys None: calls of no stream (`lanes.CodecLanes.warm`'s), in the scratch rows with slots, solving
+        `solve` frames a row (0: the fewest of `frames_a_call`)."""
         dec, la, stride = self.decoder, self.decoder.cfg.encoder.lookahead, self.decoder.stride
         dev, n = dec.device, self.bucket(len(calls))
         rows = [self.prompt + c.codes for c in calls]
-        bodies = rows if finalize else [r[:-la] for r in rows]
+        bodies = [r if c.finalize else r[: len(r) - la] for r, c in zip(rows, calls, strict=True)]
+        context = [[-1] * la if c.finalize else r[len(r) - la :] for r, c in zip(rows, calls, strict=True)]
         bodies += [bodies[-1]] * (n - len(calls))  # padding rows: copies of the last
+        context += [context[-1]] * (n - len(calls))
         q = max(1, self.pad_frames // stride)
         tokens = torch.zeros(n, -(-max(map(len, bodies)) // q) * q, dtype=torch.long)
         for i, b in enumerate(bodies):
             tokens[i, : len(b)] = torch.tensor(b)
-        args = [tokens, torch.tensor([len(b) for b in bodies])]
-        if not finalize:
-            args.append(torch.tensor([r[-la:] for r in rows] + [rows[-1][-la:]] * (n - len(calls))))
+        args = [tokens, torch.tensor([len(b) for b in bodies]), torch.tensor(context, dtype=torch.long).reshape(n, la)]
         if self.slot_count and all(k in self.slot_of for k in keys or []):
-            return self._solve_new(calls, finalize, keys, bodies, args, solve)
+            return self._solve_new(calls, keys, bodies, args, solve)
         args = [to_device(dev, a) for a in args]
         flow = functools.partial(dec.rows, self.voice, chunk=dec.cfg.chunk)
         if self.graphs is None:
             mel = flow(*args)
         else:  # its output lives in the graph's pool until the next replay: cloned
-            key = ("flow", tuple(tokens.shape), finalize, torch.cuda.current_stream(dev).priority)
+            key = ("flow", tuple(tokens.shape), torch.cuda.current_stream(dev).priority)
             mel = self.graphs.call(key, flow, *args).clone()
         p = self.voice.mel.shape[1]
         return [mel[i, :, p + c.offset * stride : len(bodies[i]) * stride] for i, c in enumerate(calls)]
@@ -259,7 +258,6 @@ class CodecBatch:
     def _solve_new(
         self,
         calls: list[FlowCall],
-        finalize: bool,
         keys: list[int] | None,
         bodies: list[list[int]],
         args: list[Tensor],
@@ -278,12 +276,11 @@ class CodecBatch:
         starts += [max(slots.base, e - q) for e in ends[len(starts) :]]
         index = slots.index(row_slots, starts, ends, q, args[0].shape[1] * stride)
         tensors = [to_device(self.decoder.device, a) for a in (*args, *index.tensors())]
-        flow = slots.flow if not finalize else lambda tokens, lengths, *ix: slots.flow(tokens, lengths, None, *ix)
         if self.graphs is None:
-            mel = flow(*tensors)
+            mel = slots.flow(*tensors)
         else:  # as in `mel`: the output lives in the graph's pool
-            key = ("slots", tuple(args[0].shape), q, finalize, torch.cuda.current_stream(self.decoder.device).priority)
-            mel = self.graphs.call(key, flow, *tensors).clone()
+            key = ("slots", tuple(args[0].shape), q, torch.cuda.current_stream(self.decoder.device).priority)
+            mel = self.graphs.call(key, slots.flow, *tensors).clone()
         slots.advance(row_slots)
         for k, e in zip(keys or [], ends, strict=False):
             self.solved[k] = e

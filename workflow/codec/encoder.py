@@ -198,10 +198,16 @@ class UpsampleConformer(nn.Module):
         self.up_embed = LinearInput(cfg.size)
         self.up_encoders = nn.ModuleList(ConformerLayer(cfg.size, cfg.heads, cfg.linear_units) for _ in range(cfg.up_blocks))
 
-    def forward(self, x: Tensor, lengths: Tensor, chunk: int = 0, context: Tensor | None = None) -> Tensor:
-        """x [B, T, C] token embeddings -> [B, T * stride, C]; context [B, lookahead, C] or None."""
+    def forward(
+        self, x: Tensor, lengths: Tensor, chunk: int = 0, context: Tensor | None = None, ends: Tensor | None = None
+    ) -> Tensor:
+        """x [B, T, C] token embeddings -> [B, T * stride, C]; context [B, lookahead, C] or None; ends [B]
+        bool or None: rows whose context is not read (they end there, as with no context)."""
         x = self.embed(x)
-        x = self.pre_lookahead_layer(x, lengths, None if context is None else self.embed(context))
+        ctx = None if context is None else self.embed(context)
+        if ctx is not None and ends is not None:
+            ctx = ctx * ~ends[:, None, None]  # what lies past the end reads zeros after the input layer
+        x = self.pre_lookahead_layer(x, lengths, ctx)
         x = self._layers(self.encoders, x, lengths, chunk)
         x = self.up_embed(self.up_layer(x))
         stride = self.up_layer.stride
@@ -236,8 +242,10 @@ class FlowFrontEnd(nn.Module):
         lengths [B]: valid tokens per row (default all T); frames past lengths * stride are padding.
         chunk: 0 offline (bidirectional, the official final decode); > 0 streaming with chunk masks,
         which needs the flow-chunk-<chunk>.pt weights. context [B, lookahead]: the tokens that follow
-        (streaming's not-yet-final call: they feed only the lookahead and give no frames). With
-        chunk-aligned T, mu equals the first T * stride frames of the same run with context appended."""
+        (streaming's not-yet-final call: they feed only the lookahead and give no frames); a row whose
+        context is -1s ends there (a last call), as with no context: so last and other calls share a
+        batch. With chunk-aligned T, mu equals the first T * stride frames of the same run with context
+        appended."""
         b, t = tokens.shape
         if lengths is None:
             lengths = torch.full((b,), t, dtype=torch.long, device=tokens.device)
@@ -249,7 +257,8 @@ class FlowFrontEnd(nn.Module):
             raise ValueError(f"context must be [{b}, {self.cfg.lookahead}], got {list(context.shape)}")
         x = self.input_embedding(tokens.clamp(min=0))  # the official clamp: padding ids may be -1
         ctx = None if context is None else self.input_embedding(context.clamp(min=0))
-        h = self.encoder(x, to_device(tokens.device, lengths), chunk, ctx)
+        ends = None if context is None else (context < 0).all(dim=1)
+        h = self.encoder(x, to_device(tokens.device, lengths), chunk, ctx, ends)
         return self.encoder_proj(h).transpose(1, 2)
 
     def speaker(self, xvector: Tensor) -> Tensor:

@@ -64,16 +64,16 @@ class CodecLanes(Lanes):
     def warm(self, rows: int, codes: int, max_codes: int = 0, few: int = 8) -> int:
         """Make now the graphs serving would meet, on the lane of later pieces: for a batch of every
         bucket up to `rows` streams, the solve at every frame bucket a reply of up to `max_codes` codes
-        reaches, and HiFT's network at a first, a second and a later call (three pieces, of first_codes,
-        `codes` and `codes` codes: after a short first hop the second call's F0 context is shorter than
-        every later one's, so its shape is its own; with slots, the solve at each of `frames_a_call`, on
-        the urgent lane the fewest only) and at a last call after them (with graphs, for up to `few`
-        streams, at each of the `codes` lengths a last call has: 0 .. codes - 1 codes after the last whole
-        chunk); on the urgent lane the same for up to `few` streams' first two audible pieces (the second
-        goes there too while the first made less than a chunk's audio: serve/scheduler.py), its last call
-        at one length only (a reply that ends there is short: its last call's context is its own). More
-        streams ending in one batch than `few` go in passes of no more (`CodecBatch.last_rows`).
-        Returns the batches run."""
+        reaches (a last call's in the same graphs), and HiFT's network at a first, a second and a later
+        call (three pieces, of first_codes, `codes` and `codes` codes: after a short first hop the second
+        call's F0 context is shorter than every later one's, so its shape is its own; with slots, the
+        solve at each of `frames_a_call`, on the urgent lane the fewest only) and at a last call after
+        them (with graphs, for up to `few` streams, at each of the `codes` lengths a last call has: 0 ..
+        codes - 1 codes after the last whole chunk); on the urgent lane the same for up to `few` streams'
+        first two audible pieces (the second goes there too while the first made less than a chunk's
+        audio: serve/scheduler.py), its last call at one length only (a reply that ends there is short:
+        its last call's context is its own). The last calls of more streams ending in one batch than
+        `few` go in HiFT passes of no more (`CodecBatch.last_rows`). Returns the batches run."""
         batch = self.batch
         batch.make_last = True
         try:
@@ -93,16 +93,14 @@ class CodecLanes(Lanes):
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
             for urgent in (False, True) if n <= few and self.lanes else (False,):
                 upto = self.first_codes + codes if urgent else max(max_codes, self.first_codes) + codes
-                if batch.pad_frames:  # the flow at every frame bucket: its longest call (and last call, fewer rows)
+                if batch.pad_frames:  # the flow at every frame bucket (a last call rides in the same graphs)
                     pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
                     for end in range(pad, frames + pad, pad):
-                        length = max(end // dec.stride - len(batch.prompt), la + 1)
-                        for final in (False, True) if n <= few else (False,):
-                            call = FlowCall([0] * (length if final else length + la), 0, streaming=True, finalize=final)
-                            for q in batch.frames_a_call[: 1 if urgent or final else None] or (0,):
-                                with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
-                                    batch.mel([call] * n, finalize=final, solve=q)
-                                calls += 1
+                        call = FlowCall([0] * (max(end // dec.stride - len(batch.prompt), la + 1) + la), 0, True, False)
+                        for q in batch.frames_a_call[: 1 if urgent else None] or (0,):
+                            with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
+                                batch.mel([call] * n, solve=q)
+                            calls += 1
                 fc = self.first_codes
                 lasts = codes if n <= few and not urgent and batch.graphs is not None else 1  # last calls to make (the CPU: none)
                 for left in range(lasts):  # a last piece of `left` codes
