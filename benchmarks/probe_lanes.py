@@ -48,12 +48,18 @@ def merged(a: dict, b: dict) -> dict:
     }
 
 
+def costliest(lv: dict, n: int = 4) -> str:
+    """The level's graphs that took the most device time priced alone: key, replays x ms each."""
+    return "; ".join(f"{g['key']} {g['replays']} x {g['ms']:.1f} ms" for g in lv.get("device_alone_graphs", [])[:n])
+
+
 def line(name: str, lv: dict) -> str:
     r = lambda d: json.dumps({k: round(v, 2) for k, v in d.items()})  # noqa: E731
     return (
         f"{name} | {lv['value']} users | TTFA p50/p90/p99 {lv['ttfa_ms']['p50']:.0f}/{lv['ttfa_ms']['p90']:.0f}/"
         f"{lv['ttfa_ms']['p99']:.0f} ms | underruns {lv['underruns']} | codes/s {lv['tokens_per_s']:.0f} | "
         f"busy {lv['busy_fraction']:.2f} | device {r(lv['device_busy'])} | alone {r(lv.get('device_alone', {}))} | "
+        f"costliest alone {costliest(lv)} | "
         f"host {r(lv['host_busy'])} | "
         f"rows a step {lv['mean_active_slots']:.1f} | steps {lv['iterations']} | peak {lv['peak_streams']} | "
         f"queued p99 {lv['queued_ms']['p99']:.0f} ms | iteration p50/p99/max {lv['iteration_ms']['p50']:.1f}/"

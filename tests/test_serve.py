@@ -106,6 +106,21 @@ def test_graphs_captured_ahead_are_every_one_serving_meets(engine, tiny_engine_d
         engine.capture(rows=4, shortest=16)
 
 
+def test_admissions_are_captured_from_the_engines_own_step_and_decode_steps_from_the_eager_one(tiny_engine_dir):
+    """With `compile` the engine's own layer step is torch.compile'd: `capture` makes admission graphs from it
+    (a few shapes, each at hundreds of rows, where eager ops between the matmuls cost about what they do)
+    and decode's from the eager step (hundreds of shapes, a compile each). The engine's step stood in for
+    by a counting one on the CPU: it ran every admission's prompt rows and no decode step's."""
+    engine = load_engine(tiny_engine_dir)
+    GraphKeys(engine)
+    rows: list[int] = []
+    for layer in engine.layers:
+        own = layer.step
+        layer.step = lambda x, *a, own=own, **k: rows.append(x.shape[1]) or own(x, *a, **k)
+    engine.capture(2, 8, [(1, 12), (2, 12)])
+    assert rows and set(rows) == {12}  # every layer, each admission (with and without the text head), none at 1 row
+
+
 def test_slots_bookkeeping_refuses_what_it_cannot_do():
     slots = Slots(max_batch=3, max_seq_len=8)
     assert slots.admit([2, 0], 5) == range(0, 2)

@@ -26,9 +26,13 @@ def capture(
     active rows at lengths from `shortest` to max_seq_len, each row bucket x attention bucket x
     mode (text head; audio only, holding the text fill when `defer_text_fill`), and the
     catch-up's for R up to `catch_up_max`. Admission: each (prompts, prompt length) given, with
-    and without the text head. Eager steps (a compile per shape costs seconds); keys already
-    captured are kept. Only with no active slot: the warm-up runs write rows no stream holds,
-    at positions an admit overwrites. Returns the graphs captured."""
+    and without the text head. Decode's from eager steps (a compile per shape costs seconds, and
+    there are hundreds); admission's from the engine's own step, compiled where the engine
+    compiles: a few shapes, and at hundreds of rows the eager ops between the matmuls cost about
+    what the matmuls do (FP8 serving's 512-token admission priced ~20 ms alone, the compiled
+    prefill ~8-10: levers.md, "H200 serving priced"). Keys already captured are kept. Only with no
+    active slot: the warm-up runs write rows no stream holds, at positions an admit overwrites.
+    Returns the graphs captured."""
     from workflow.engines import torch_engine as te  # its module imports this one
 
     if not engine.use_graphs:
@@ -46,7 +50,7 @@ def capture(
     for b, t in admissions:
         engine.admit_rows[:b, 0].copy_(engine.row_ids[:b, 0])
         for need_text in (True, False):
-            prefill = engine._prefill(b, t, need_text, False, te.layer_step)
+            prefill = engine._prefill(b, t, need_text, False)
             engine._run(torch.zeros(b, t, 2, dtype=torch.long), ("admit", need_text, False), prefill)
     for b in buckets:
         tokens = torch.zeros(b, 1, 2, dtype=torch.long)
