@@ -195,6 +195,43 @@ def test_a_stream_with_join_chunks_waiting_goes_along_with_a_batch_that_goes_any
         ServeConfig(detokenize_hold=4, detokenize_join=4)
 
 
+def test_a_later_batch_takes_no_more_of_a_streams_chunks_than_one_flow_call_solves(tiny_engine_dir):
+    """A detokenizer whose flow call solves at most 8 codes of a stream (`codes_a_call`, the codec's largest
+    `frames_a_call`): while its later batches queue (one at a time, each taking two iterations), a stream's
+    waiting chunks pile up past 2, and each later batch takes its first 2 (8 codes), the rest waiting for
+    the next; the urgent first chunk is not capped. Every chunk goes once, in order, and the tokens are
+    those of a detokenizer with no cap."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+
+    def serve(cap: int) -> tuple[list[list[int]], list[int]]:
+        sent: list[list[int]] = []
+
+        class Detokenizer:
+            codes_a_call = cap
+
+            def __call__(self, pieces, urgent):
+                sent.append([p.done for p in pieces] if not urgent else [-1])
+                t = len(sent)
+                return (lambda wait: 1.0 if wait or len(sent) > t + 1 else None), [len(p.codes) for p in pieces]
+
+        cfg = ServeConfig(chunk_tokens=4, detokenize_batches=1, sampling=Sampling(greedy=True))
+        sched = Scheduler(engine, ids, cfg, detokenize=Detokenizer())
+        req = Request(0, traffic.speech_prompt(1, 20, ids, seed=3)[0], max_steps=40, reply_codes=40)
+        sched.submit(req)
+        while not sched.idle():
+            sched.iterate()
+        sched.flush()
+        assert req.error is None and req.stamped
+        return sent, req.tokens
+
+    capped, free = serve(8), serve(0)
+    later = [b for b in capped[0] if b != [-1]]
+    assert max(map(len, later)) == 2 and max(len(b) for b in free[0] if b != [-1]) > 2  # the cap held where it was needed
+    assert [d for b in later for d in b] == list(range(4, 40, 4))  # every later chunk once, in order
+    assert capped[1] == free[1]
+
+
 @pytest.mark.parametrize("slack", [0.0, 0.3])
 def test_a_held_chunk_goes_sooner_when_its_playback_is_near(tiny_engine_dir, slack):
     """`detokenize_slack_s`: with a hold of 5 chunks, a stream made only 1.6 x faster than it plays

@@ -32,6 +32,7 @@ class CodecLanes(Lanes):
         self.first_codes = batch.first_codes
         self.max_streams = batch.slot_count  # streams served at full speed: one a flow slot (0: no slots, none faster)
         self.holds = batch.holds  # and whether the flow slots' pages hold streams of so many codes at once
+        self.codes_a_call = batch.frames_a_call[-1] // batch.decoder.stride if batch.frames_a_call else 0  # a slot's most
         self.lane_of: dict[int, torch.cuda.Stream] = {}  # CUDA: each stream's last lane
         self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
 

@@ -23,24 +23,19 @@ One thread owns the engine. Each `iterate`:
    keeps its stream open longer, so more streams share each step and each detokenizer call (and
    hold their slots and the codec's pages meanwhile);
 5. while the device decodes, sends the streams' finished chunks (K codes each, the first as many
-   as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`: its stream, the
-   codes before it, whether it is the last) to the detokenizer, as one batch across streams. The
-   detokenizer returns at once (on CUDA it runs on a side stream, beside decoding) with a `Ready`
-   and the PCM samples each chunk made final: each chunk is stamped ready when its PCM is, read once known
-   (`flush` waits for all). While `detokenize_batches` batches are still running, new chunks wait
-   and go together later: a batch's cost per chunk falls steeply with its size, and a queue on the
-   side stream would only grow. With `detokenize_hold` > 1 a speaking stream's chunks also wait
-   until that many do: the codec decoder decodes them in one flow call for nearly the cost of one,
-   and a stream far ahead of its playback can afford the wait; with `detokenize_slack_s` they go
-   sooner once the first of them would play within that many seconds (its playback counted from
-   the stream's first PCM), so that a larger hold cannot starve playback; with `detokenize_join` a
-   stream with that many waiting goes along with a batch that goes anyway (streams' calls fall
-   together: fewer, wider ones); with `first_audio_first` they
-   all wait (but for those due within the slack) while a speaking stream's first PCM is not ready, so
-   that its first chunk does not share the device with them. With `first_chunks_apart` a stream's
-   chunks go at once, in a batch of their own on the detokenizer's urgent lane, until its PCM covers
-   one chunk's audio: time to first audio waits on the first, and until then the next chunk's
-   deadline is nearer than its making; a later chunk has the slack of the audio before it.
+   as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`) to the
+   detokenizer, as one batch across streams. It returns at once (on CUDA it runs on a side
+   stream, beside decoding) with a `Ready` and the PCM samples each chunk made final. While
+   `detokenize_batches` batches run, new chunks wait and go together later (a batch's cost per
+   chunk falls steeply with its size). `detokenize_hold`: a speaking stream's chunks wait until
+   that many do (one codec flow call decodes them for nearly the cost of one), going sooner within
+   `detokenize_slack_s` of their playback; `detokenize_join`: a stream with that many waiting goes
+   along with a batch that goes anyway; a stream's chunks in a later batch are at most what one
+   flow call solves (`codes_a_call`); `first_audio_first`: they all wait (but those due within the
+   slack) while a speaking stream's first PCM is not ready; `first_chunks_apart`: a stream's
+   chunks go at once, on the detokenizer's urgent lane, until its PCM covers one chunk's audio
+   (time to first audio waits on the first; a later chunk has the slack of the audio before it).
+   docs/serving.md says why each, and what each measured.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer), `sent` counts the detokenizer's calls by lane (and
@@ -208,9 +203,10 @@ class Scheduler:
         return self._later_running() < self.cfg.detokenize_batches
 
     def flush(self) -> None:
-        """Send what waits, then wait for the detokenizer and the device: every chunk made is
-        stamped, every phase timed."""
-        self._send(due=True, hold=False)
+        """Send what waits (in as many batches as `codes_a_call` takes), then wait for the detokenizer
+        and the device: every chunk made is stamped, every phase timed."""
+        while self.outbox:
+            self._send(due=True, hold=False)
         self._stamp(wait=True)
 
     def _send(self, due: bool, hold: bool = True) -> None:
@@ -246,14 +242,23 @@ class Scheduler:
 
     def _send_where(self, goes: Callable[[Request], bool], urgent: bool, joins: Callable[[Request], bool] | None = None) -> None:
         """The waiting chunks whose request `goes`, and where any go those whose request `joins`, in one batch;
-        the rest wait. Each asked once a request (`goes` may read the clock): its chunks go together, in order."""
+        the rest wait. Each asked once a request (`goes` may read the clock): its chunks go together, in order,
+        in a later batch as many as one flow call solves (`codes_a_call`, 0: all; more take a second pass)."""
         reqs = {c[0].rid: c[0] for c in self.outbox}
         going = {rid for rid, req in reqs.items() if goes(req)}
         if going and joins is not None:
             going |= {rid for rid, req in reqs.items() if joins(req)}
         if going:
-            go = [c for c in self.outbox if c[0].rid in going]
-            self.outbox = [c for c in self.outbox if c[0].rid not in going]
+            most = 0 if urgent else getattr(self.detokenize, "codes_a_call", 0)  # a later batch: one flow call a stream
+            go, keep, codes = [], [], Counter()
+            for c in self.outbox:
+                if c[0].rid in going and (not most or c[0].rid not in codes or codes[c[0].rid] + len(c[1]) <= most):
+                    go.append(c)
+                    codes[c[0].rid] += len(c[1])
+                else:
+                    keep.append(c)
+                    going.discard(c[0].rid)  # its later chunks wait too, in order
+            self.outbox = keep
             self._batch(go, urgent)
 
     def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
