@@ -229,6 +229,7 @@ def test_streams_ending_at_once_take_one_flow_pass_and_hift_passes_of_the_rows_w
     lanes = CodecLanes(batch, torch.device("cpu"), time.perf_counter)
     lanes.warm(5, 5, 20, few=2)
     assert batch.last_rows == 2 and batch.pass_rows == 6
+    assert lanes.codes_a_call == 15  # a slot's largest solve, 60 frames: a later batch's most codes of a stream
     made = set(graphs.keys)
     g = torch.Generator().manual_seed(4)
     codes = {k: torch.randint(0, 1000, (18,), generator=g) for k in range(1, 6)}
