@@ -213,9 +213,9 @@ class FlowSlots:
             if s is not None:
                 self.parity[s] ^= 1
 
-    def flow(self, tokens: Tensor, lengths: Tensor, context: Tensor | None, *index: Tensor) -> Tensor:
+    def flow(self, tokens: Tensor, lengths: Tensor, context: Tensor, *index: Tensor) -> Tensor:
         """The flow over rows of this voice, each solving only its new frames: tokens [n, T] (the prompt's
-        codes first, right-padded), lengths [n], context [n, lookahead] or None, `index` a SlotIndex's
+        codes first, right-padded), lengths [n], context [n, lookahead] (a last call's -1s), `index` a SlotIndex's
         tensors -> mel [n, mels, Q] float32, the frames from each row's start. No host sync: a graph."""
         dec = self.decoder
         return self.solve(dec.flow(tokens, lengths, chunk=dec.cfg.chunk, context=context), *index)

@@ -5,7 +5,7 @@ Why: serving's device time by phase (`device_busy`) is each stream's span while 
 GPU, so a phase beside a busy one is stretched and the phases sum past one second a second. Priced
 alone, each phase's figure is its own work, whatever ran beside it. They can still sum past one: graphs
 of a few rows leave most of the GPU idle, and two lanes' graphs side by side take less than one after
-the other (an H200's 80 FP8 users: 1.30 in all, the loop busy 0.98; levers.md, "H200 serving priced").
+the other (an H200's 80 FP8 users: 1.29 in all, the loop busy 0.98; levers.md, "H200 serving priced").
 So a phase's share of the GPU is its part of the sum (`share`). Only graphs are priced: sampling and
 anything run eager (a codec call of a shape not made ahead) are not in it, and `unpriced` counts replays
 of graphs dropped before the pricing."""
@@ -70,10 +70,9 @@ def price(levels: list[tuple[dict, Replays]], sets: dict[str, Graphs], urgent: i
     print(f"load: {len(ms)} graphs priced alone in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def share(priced: dict[str, float], prefix: str = "detokenize") -> float:
-    """The phases starting with `prefix` (default: the detokenizer's two lanes), as a part of all the work
-    priced alone (`device_alone`)."""
-    return sum(v for k, v in priced.items() if k.startswith(prefix)) / sum(priced.values())
+def share(priced: dict[str, float]) -> float:
+    """The detokenizer's two lanes as a part of all the work priced alone (`device_alone`)."""
+    return sum(v for k, v in priced.items() if k.startswith("detokenize")) / sum(priced.values())
 
 
 def detokenizer_share(load: dict) -> float | None:
