@@ -26,9 +26,9 @@
 #
 #   CODEC_ARMS='{"float32 HiFT": {"hift_dtype": "float32"}}' MOSSBUILD_CONFIGFILE=config/h200.yaml bash benchmarks/gpu_pair.sh c
 #
-# e.g. pace with more streams open, their flow pages in float8 (twice the audio in h200.yaml's ~46 GB):
-#   printf 'benchmark:\n  load: {slots: 40}\n  codec: {slots: 40, pool_seconds: 720, fp8_pages: true}\n' > /tmp/wide.yaml
-#   PROBE_ARMS=pace PROBE_CONFIGS=/tmp/wide.yaml PROBE_BF16=64,80 PROBE_FP8=80,96 ... bash benchmarks/gpu_pair.sh p3
+# e.g. pace against none at and past FP8's capacity, in turn in one process (arms after the first reuse its graphs)
+# (h200.yaml: 40 streams open, 40 flow slots sharing 720 s of float8 pages; PROBE_CONFIGS for other sizes):
+#   MOSSBUILD_STAGE_S=575 PROBE_ARMS="base|pace" PROBE_FP8=80,96 ... bash benchmarks/gpu_pair.sh p3
 #
 # A precision whose PROBE_<P> is empty is not probed. PROBE_CONFIGS are read after full.yaml and
 # MOSSBUILD_CONFIGFILE; the other PROBE_* settings go to probe_lanes.py as they are. Each probe stops at the
