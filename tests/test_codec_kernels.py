@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from workflow.codec import hift as hift_module
-from workflow.codec import kernels, slots
+from workflow.codec import kernels, slots, snake
 from workflow.codec.config import CodecConfig
 from workflow.codec.estimator import TransformerBlock
 from workflow.codec.hift import HiFT, ResBlock, Snake
@@ -93,11 +93,13 @@ def call(c: int, heads: int, d: int, device: str, dtype: torch.dtype, seed: int 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("c", "heads", "d"), [(32, 2, 16), (32, 2, 8), (64, 4, 32)])
-def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d):
+@pytest.mark.parametrize(("c", "heads", "d"), [(32, 2, 16), (32, 2, 8), (64, 4, 32), (48, 3, 40)])
+@pytest.mark.parametrize("with_tail", [False, True], ids=["five", "tail"])
+def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d, with_tail):
     """Output of every valid frame, and the pool after the call (the new keys and values written
     where the call writes, nothing else touched), for head widths of 16, 8 (padded to the 16 a
-    Triton dot needs) and 32."""
+    Triton dot needs), 32 and 40 (heads 120 wide, over two of the tail's 64-wide steps, channels 48
+    padded to 64); with_tail: the out projection, LayerNorm and feed-forward in one kernel."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     b, h, pool, ix = call(c, heads, d, device, dtype)
     theirs_pool, ours_pool = pool.clone(), pool.clone()
@@ -105,7 +107,7 @@ def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d):
     view = types.SimpleNamespace(kv={b.attn1: theirs_pool}, ix=ix, scale={})
     with torch.no_grad():
         theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
-        ours = kernels.block(b, h, ours_pool, ix.keys, ix.writes, ix.starts, ix.valid, 8)
+        ours = kernels.block(b, h, ours_pool, ix.keys, ix.writes, ix.starts, ix.valid, 8, with_tail=with_tail)
     atol = 1e-5 if dtype == torch.float32 else 0.05
     for r, n in enumerate(ix.valid.tolist()):
         assert n == 0 or (ours[r, :n].float() - theirs[r, :n].float()).abs().max() <= atol, r
@@ -140,11 +142,11 @@ def test_a_convolutions_bias_and_the_residual_sum_go_with_the_snake(device):
     x, r = ((4 * torch.randn(2, 3, 700, generator=g)).to(device) for _ in range(2))
     b = torch.tensor([-1.0, 0.25, 2.0], device=device)
     biased = x + b[:, None]
-    assert (kernels.snake(x, act.alpha, b) - act(biased)).abs().max() <= 1e-5
-    assert (kernels.snake(x, act.alpha, b.flip(0)) - act(biased)).abs().max() > 0.1
-    total, y = kernels.residual_snake(x, b, r, act.alpha)
+    assert (snake.snake(x, act.alpha, b) - act(biased)).abs().max() <= 1e-5
+    assert (snake.snake(x, act.alpha, b.flip(0)) - act(biased)).abs().max() > 0.1
+    total, y = snake.residual_snake(x, b, r, act.alpha)
     assert (total - (r + biased)).abs().max() <= 1e-6 and (y - act(r + biased)).abs().max() <= 1e-5
-    alone, none = kernels.residual_snake(x, b, r, None)
+    alone, none = snake.residual_snake(x, b, r, None)
     assert none is None and torch.equal(alone, total)
 
 
@@ -162,8 +164,8 @@ def test_snake_in_one_kernel_is_hifts_snake_and_hift_gives_the_same_pcm(device, 
     act.alpha.data = torch.tensor([0.5, 1.0, 3.0], device=device)
     x = (4 * torch.randn(2, 3, 700, generator=g)).to(device)
     want = act(x)
-    assert (kernels.snake(x, act.alpha) - want).abs().max() <= 1e-5
-    assert (kernels.snake(x, act.alpha.flip(0)) - want).abs().max() > 0.1  # the alphas' order matters
+    assert (snake.snake(x, act.alpha) - want).abs().max() <= 1e-5
+    assert (snake.snake(x, act.alpha.flip(0)) - want).abs().max() > 0.1  # the alphas' order matters
     hift = HiFT(CodecConfig.tiny().hift).to(device).eval()
     for m in hift.modules():
         if isinstance(m, Snake):  # alphas of their own, not the initial ones

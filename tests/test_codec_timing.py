@@ -107,6 +107,9 @@ def test_codec_settings_name_what_is_wrong():
     assert CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 8}).fp8_pages
     with pytest.raises(ValueError, match="hift_dtype: 'bfloat16' is not one of float32, float16"):
         CodecTiming.from_dict({"hift_dtype": "bfloat16"})  # 35.7 dB from float32 (docs/levers.md, "CPU HiFT bf16")
+    with pytest.raises(ValueError, match=r"tail_kernel: it joins three of the slots' kernels, and benchmark\.codec\.kernels"):
+        CodecTiming.from_dict({"tail_kernel": True, "kernels": False})
+    assert CodecTiming.from_dict({"tail_kernel": True}).tail_kernel
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

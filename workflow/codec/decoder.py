@@ -137,15 +137,24 @@ class CodecDecoder(nn.Module):
     (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt. `official`: the solves run
     the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass;
     `compiled`: the fast pass's blocks through torch.compile (fast.py); `kernels`: the flow slots' transformer
-    blocks and HiFT's Snake activations as Triton kernels (kernels.py, CUDA)."""
+    blocks and HiFT's Snake activations as Triton kernels (kernels.py, snake.py, CUDA); `tail_kernel`: with them,
+    a block's out projection, LayerNorm and feed-forward as one (kernels.tail)."""
 
     def __init__(
-        self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False, kernels: bool = False
+        self,
+        cfg: CodecConfig | None = None,
+        *,
+        official: bool = False,
+        compiled: bool = False,
+        kernels: bool = False,
+        tail_kernel: bool = False,
     ) -> None:
         super().__init__()
         if kernels and not kernels_module.available():
             raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
-        self.official, self.kernels = official, kernels
+        if tail_kernel and not kernels:
+            raise ValueError("the codec decoder's tail kernel is one of its kernels: kernels=True")
+        self.official, self.kernels, self.tail_kernel = official, kernels, tail_kernel
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)

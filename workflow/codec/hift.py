@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workflow.codec import kernels
+from workflow.codec import snake
 from workflow.codec.config import HiftConfig
 
 DEFAULT_SEED = 0  # HiftConfig has no seed field: used when forward() gets no generator
@@ -34,7 +34,7 @@ ELU_CONVS = 5  # ConvRNNF0Predictor: five Conv1d(k=3) + ELU pairs, then Linear(c
 
 class Snake(nn.Module):
     """x + sin^2(alpha x) / alpha, one alpha per channel (linear scale, not log), on [B, C, T]; a fused
-    ResBlock (`HiFT.fuse`) reads its alpha into one Triton kernel (kernels.snake) in place of torch's six."""
+    ResBlock (`HiFT.fuse`) reads its alpha into one Triton kernel (snake.snake) in place of torch's six."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -71,11 +71,11 @@ class ResBlock(nn.Module):
 
     def kernel_forward(self, x: Tensor) -> Tensor:
         steps = list(zip(self.convs1, self.convs2, self.activations2, strict=True))
-        h = kernels.snake(x, self.activations1[0].alpha, dtype=self.convs1[0].weight.dtype)
+        h = snake.snake(x, self.activations1[0].alpha, dtype=self.convs1[0].weight.dtype)
         for j, (c1, c2, a2) in enumerate(steps):
-            h = kernels.snake(conv(c1, h, bias=False), a2.alpha, c1.bias, dtype=c2.weight.dtype)
+            h = snake.snake(conv(c1, h, bias=False), a2.alpha, c1.bias, dtype=c2.weight.dtype)
             after = self.activations1[j + 1].alpha if j + 1 < len(steps) else None
-            x, h = kernels.residual_snake(conv(c2, h, bias=False), c2.bias, x, after, dtype=c1.weight.dtype)
+            x, h = snake.residual_snake(conv(c2, h, bias=False), c2.bias, x, after, dtype=c1.weight.dtype)
         return x
 
 

@@ -1,6 +1,5 @@
-"""The slot pass's transformer blocks (slots.py) in five Triton kernels, and HiFT's Snake activation with
-the bias and residual sum around it in one (`snake`, `residual_snake`), for CUDA (Triton's interpreter
-runs them on the CPU in the tests).
+"""The slot pass's transformer blocks (slots.py) in five Triton kernels, or three with the tail in one
+(`tail`), for CUDA (Triton's interpreter runs them on the CPU in the tests).
 
 Why: at batch 1 an ODE step is bound by how many kernels it launches, ~3.5 us each even from a CUDA
 graph (docs/levers.md, "H100 codec 3" and "H100 codec 4"), and the slot pass's transformer block,
@@ -15,12 +14,16 @@ and the copies around it, the out GEMM, the residual, LayerNorm, the two feed-fo
    an online softmax over blocks of keys, stopping at the last key its queries may see;
 3. the out projection, its bias and the residual;
 4. LayerNorm (norm3), the feed-forward's first GEMM and its exact GELU;
-5. the feed-forward's second GEMM, its bias and the residual.
+5. the feed-forward's second GEMM, its bias and the residual;
+
+or, with `benchmark.codec.tail_kernel`, 3-5 as one (`tail`): a program holds its rows whole and walks
+the feed-forward's middle a block of columns at a time, so there are fewer programs, each reading
+every weight of the three.
 
 Each result is rounded to the activations' dtype where the torch path rounds it (LayerNorm's output,
 a GEMM's output with its bias, the GELU, the residual sum), so the two agree to that rounding.
 
-On Hopper and later the five launch as programmatic dependent launches (`dependent_launch`): a GEMM
+On Hopper and later they launch as programmatic dependent launches (`dependent_launch`): a GEMM
 fetches its weights (which no kernel writes) before it waits for the kernel before it to finish, so
 their latency hides behind that kernel. Nothing else (activations, the pool, the indices) is read or
 written before the wait. A kernel lets the next launch only once its own wait is over: a next one
@@ -53,7 +56,6 @@ class Tile:
 
 
 BLOCK_KEYS, ATTENTION_WARPS = 128, 4  # attention: keys a step of a program's loop
-SNAKE_BLOCK = 1024  # snake: values a program
 
 
 def available() -> bool:
@@ -214,38 +216,51 @@ if triton is not None:
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _snake(
-        x_ptr,
-        b_ptr,
-        r_ptr,
-        a_ptr,
-        s_ptr,
-        y_ptr,
-        n,
-        C,
-        CSTRIDE,
-        BIAS: tl.constexpr,
-        RESIDUAL: tl.constexpr,
-        SNAKE: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """Over x (flat, its channel c = i // CSTRIDE % C): s = x (+ b[c]) (+ r), stored where RESIDUAL;
-        y = s + sin(a s)^2 / (a + 1e-9), a [C], stored where SNAKE. HiFT's Snake, and the convolution's bias
-        and the residual sum before it, in one pass. The sums go in torch's order (the bias, then the residual),
-        in float32 whatever the tensors' dtypes; each store rounds to its tensor's."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        c = (i // CSTRIDE) % C
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        if BIAS:
-            x = x + tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        if RESIDUAL:
-            x = tl.load(r_ptr + i, mask=ok, other=0.0).to(tl.float32) + x
-            tl.store(s_ptr + i, x, mask=ok)
-        if SNAKE:
-            a = tl.load(a_ptr + c, mask=ok, other=1.0)
-            sn = tl.sin(a * x)
-            tl.store(y_ptr + i, x + sn * sn / (a + 1e-9), mask=ok)
+    def _tail(
+        y_ptr, x_ptr, wo_ptr, bo_ptr, g_ptr, be_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, M, eps,
+        C: tl.constexpr, CP: tl.constexpr, A: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr,
+        BF: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        """A block's tail over BM whole rows a program: h = x + y @ wo.T + bo, then
+        out = h + GELU(LayerNorm(h) @ w1.T + b1) @ w2.T + b2, the feed-forward's F-wide middle BF columns at a
+        time (never whole). y [M, A] (the heads' outputs), x [M, C] (the block's input), wo [C, A], w1 [F, C],
+        w2 [C, F]. Rounded to the activations' dtype where kernels 3-5 round (`_linear`)."""
+        m = tl.program_id(0) * BM + tl.arange(0, BM)
+        c = tl.arange(0, CP)
+        m_ok, c_ok = m < M, c < C
+        ok = m_ok[:, None] & c_ok[None, :]
+        dt = y_ptr.dtype.element_ty
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BM, CP), tl.float32)
+        for a0 in range(0, A, BA):
+            a = a0 + tl.arange(0, BA)
+            a_ok = a < A
+            y = tl.load(y_ptr + m[:, None] * A + a[None, :], mask=m_ok[:, None] & a_ok[None, :], other=0.0)
+            wo = tl.load(wo_ptr + c[None, :] * A + a[:, None], mask=c_ok[None, :] & a_ok[:, None], other=0.0)
+            acc = tl.dot(y, wo, acc, input_precision=PRECISION)
+        acc += tl.load(bo_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        h = (acc.to(dt).to(tl.float32) + x).to(dt).to(tl.float32)  # kernel 3's output, as rounded
+        mean = tl.sum(tl.where(c_ok[None, :], h, 0.0), axis=1) / C
+        hc = tl.where(c_ok[None, :], h - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / C + eps)
+        gamma = tl.load(g_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        beta = tl.load(be_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        hn = (hc * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dt)
+        out = tl.zeros((BM, CP), tl.float32)
+        for f0 in range(0, F, BF):
+            f = f0 + tl.arange(0, BF)
+            f_ok = f < F
+            w1 = tl.load(w1_ptr + f[None, :] * C + c[:, None], mask=f_ok[None, :] & c_ok[:, None], other=0.0)
+            g = tl.dot(hn, w1, input_precision=PRECISION) + tl.load(b1_ptr + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+            g = g.to(dt).to(tl.float32)
+            g = (0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))).to(dt)
+            w2 = tl.load(w2_ptr + c[None, :] * F + f[:, None], mask=c_ok[None, :] & f_ok[:, None], other=0.0)
+            out = tl.dot(g, w2, out, input_precision=PRECISION)
+        out += tl.load(b2_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * C + c[None, :], (out.to(dt).to(tl.float32) + h).to(dt), mask=ok)
 
 
 def _precision(x: Tensor) -> str:
@@ -332,13 +347,32 @@ def attention(
     return y
 
 
+def tail(
+    y: Tensor, x: Tensor, out: torch.nn.Linear, norm: torch.nn.LayerNorm, ff1: torch.nn.Linear, ff2: torch.nn.Linear
+) -> Tensor:
+    """x + out(y), then that + ff2(GELU(ff1(norm(that)))), in one kernel where kernels 3-5 are three: y [M, A],
+    x [M, C] -> [M, C]. Each program holds its rows whole (C wide), reads every weight (~1 MB at the true
+    shape, from L2) and walks the feed-forward's middle BF columns at a time: fewer, longer programs, two
+    launches fewer a block (`benchmark.codec.tail_kernel`)."""
+    m, a = y.shape
+    c, f = x.shape[1], ff1.weight.shape[0]
+    o = torch.empty_like(x)
+    bm = 16 if m <= 1024 else 32
+    _tail[(triton.cdiv(m, bm),)](
+        y, x, out.weight, out.bias, norm.weight, norm.bias, ff1.weight, ff1.bias, ff2.weight, ff2.bias, o, m, norm.eps,
+        C=c, CP=_pow2(c), A=a, F=f, BM=bm, BA=min(64, _pow2(a)), BF=min(64, _pow2(f)), PRECISION=_precision(x),
+        num_warps=8, **_launch(x),
+    )  # fmt: skip
+    return o
+
+
 def block(
     b: torch.nn.Module, h: Tensor, pool: Tensor, keys: Tensor, writes: Tensor, starts: Tensor, valid: Tensor, chunk: int,
-    scale: Tensor | None = None,
+    scale: Tensor | None = None, with_tail: bool = False,
 ) -> Tensor:  # fmt: skip
     """A TransformerBlock (estimator.py) over h [R, Q, C], as slots.SlotPass.transformer computes it:
     the new keys and values written to pool frames `writes` [R, Q], every key read from pool frames `keys`
-    (an fp8 pool: `scale` its scale).
+    (an fp8 pool: `scale` its scale); with_tail: kernels 3-5 as one (`tail`).
     The LayerNorms stay in their GEMMs at any rows: apart (torch's LayerNorm, then a GEMM pipelined
     over K) they never won on an H100 from 80 to 7,680 rows (levers.md, "H100 codec tiles")."""
     r, nq, c = h.shape
@@ -346,45 +380,8 @@ def block(
     x = h.reshape(r * nq, c).contiguous()
     q = linear(x, a.qkv.weight, norm=b.norm1, pool=pool, writes=writes.reshape(-1), pool_scale=scale)
     y = attention(q.view(r, nq, a.heads, -1), pool, keys, starts, valid, chunk, scale=scale)
+    if with_tail:
+        return tail(y.view(r * nq, -1), x, a.to_out[0], b.norm3, ff[0].proj, ff[2]).view(r, nq, c)
     h = linear(y.view(r * nq, -1), a.to_out[0].weight, a.to_out[0].bias, residual=x)
     g = linear(h, ff[0].proj.weight, ff[0].proj.bias, norm=b.norm3, gelu=True)
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)
-
-
-def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """HiFT's Snake (hift.Snake) over x [B, C, T] or [B, C, 1, T] channels-last (`hift.rows`), a convolution's
-    bias [C] added first, in one kernel where torch launches six (its multiply, sine, square, the alpha's
-    epsilon, division and sum) and the bias one more; its output in `dtype` (default x's): the next
-    convolution's."""
-    return _elementwise(x, alpha, bias, None, dtype)[1]
-
-
-def residual_snake(
-    x: Tensor, bias: Tensor, residual: Tensor, alpha: Tensor | None, dtype: torch.dtype | None = None
-) -> tuple[Tensor, Tensor | None]:
-    """A ResBlock's step end: s = residual + (x + bias) (x a convolution's output without its bias [C]) and
-    the next step's Snake of s (None where `alpha` is None), in one pass where torch makes three (bias, sum,
-    then the Snake's one kernel) -> (s, snake(s)); s in float32 (the residual sum, whatever x's dtype), the
-    Snake in `dtype` (default x's)."""
-    return _elementwise(x, alpha, bias, residual, dtype)
-
-
-def _elementwise(
-    x: Tensor, alpha: Tensor | None, bias: Tensor | None, residual: Tensor | None, dtype: torch.dtype | None
-) -> tuple:
-    """The kernel over x as laid out: contiguous, or [B, C, 1, T] channels-last (its channels innermost);
-    the outputs and the residual in x's layout."""
-    if not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)):
-        x = x.contiguous()
-    s = torch.empty_like(x, dtype=torch.float32) if residual is not None else None
-    y = torch.empty_like(x, dtype=dtype or x.dtype) if alpha is not None else None
-    r = residual
-    if residual is not None and residual.stride() != x.stride():
-        r = torch.empty_like(x, dtype=residual.dtype).copy_(residual)
-    n = x.numel()
-    _snake[(triton.cdiv(n, SNAKE_BLOCK),)](
-        x, x if bias is None else bias, x if r is None else r, x if alpha is None else alpha,
-        x if s is None else s, x if y is None else y, n, x.shape[1], x.stride(1),
-        BIAS=bias is not None, RESIDUAL=r is not None, SNAKE=alpha is not None, BLOCK=SNAKE_BLOCK, num_warps=4,
-    )  # fmt: skip
-    return s, y
