@@ -118,6 +118,26 @@ def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d, with_tail)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocking", [None, kernels.Tile(32, 64, 32, 4, 2)], ids=["default", "32-rows"])
+def test_the_tail_is_the_blocks_out_projection_norm_and_feed_forward(device, blocking):
+    """`kernels.tail` against torch's modules over rows that fill no block (50), at its default blocking
+    and another (32 rows a program, reductions 32 wide, pipelined), and refused where a program could not
+    hold its rows whole."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(3)
+    b = TransformerBlock(48, 3, 40).to(device, dtype)
+    y, x = torch.randn(50, 120, device=device, dtype=dtype), torch.randn(50, 48, device=device, dtype=dtype)
+    ff = b.ff.net
+    with torch.no_grad():
+        h = x + b.attn1.to_out[0](y)
+        want = h + ff[2](torch.nn.functional.gelu(ff[0].proj(b.norm3(h))))
+        got = kernels.tail(y, x, b.attn1.to_out[0], b.norm3, ff[0].proj, ff[2], blocking)
+        with pytest.raises(ValueError, match="tail: a program holds its rows whole, 48 channels, not 32"):
+            kernels.tail(y, x, b.attn1.to_out[0], b.norm3, ff[0].proj, ff[2], kernels.Tile(16, 32, 32, 4, 1))
+    assert (got.float() - want.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_seeded_bug_fails_it(device):
     """The check can fail: attention that lets a query see its whole row (no chunk mask) gives other
     values for the frames of every chunk but the row's last."""

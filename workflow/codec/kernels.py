@@ -347,21 +347,31 @@ def attention(
     return y
 
 
+def tail_tile(m: int, c: int) -> Tile:
+    """The tail's blocking for m rows of c channels: bm rows a program, each whole (bn: c padded), its two
+    reductions (the heads' outputs, the feed-forward's middle) bk at a time. A guess, not yet timed: the
+    fewest rows a program (more programs) until a held batch's rows give enough of them."""
+    return Tile(16 if m <= 1024 else 32, _pow2(c), 64, 8, 1)
+
+
 def tail(
-    y: Tensor, x: Tensor, out: torch.nn.Linear, norm: torch.nn.LayerNorm, ff1: torch.nn.Linear, ff2: torch.nn.Linear
-) -> Tensor:
+    y: Tensor, x: Tensor, out: torch.nn.Linear, norm: torch.nn.LayerNorm, ff1: torch.nn.Linear, ff2: torch.nn.Linear,
+    blocking: Tile | None = None,
+) -> Tensor:  # fmt: skip
     """x + out(y), then that + ff2(GELU(ff1(norm(that)))), in one kernel where kernels 3-5 are three: y [M, A],
     x [M, C] -> [M, C]. Each program holds its rows whole (C wide), reads every weight (~1 MB at the true
-    shape, from L2) and walks the feed-forward's middle BF columns at a time: fewer, longer programs, two
+    shape, from L2) and walks the feed-forward's middle bk columns at a time: fewer, longer programs, two
     launches fewer a block (`benchmark.codec.tail_kernel`)."""
     m, a = y.shape
     c, f = x.shape[1], ff1.weight.shape[0]
+    blk = blocking or tail_tile(m, c)
+    if blk.bn < c:
+        raise ValueError(f"tail: a program holds its rows whole, {c} channels, not {blk.bn}")
     o = torch.empty_like(x)
-    bm = 16 if m <= 1024 else 32
-    _tail[(triton.cdiv(m, bm),)](
+    _tail[(triton.cdiv(m, blk.bm),)](
         y, x, out.weight, out.bias, norm.weight, norm.bias, ff1.weight, ff1.bias, ff2.weight, ff2.bias, o, m, norm.eps,
-        C=c, CP=_pow2(c), A=a, F=f, BM=bm, BA=min(64, _pow2(a)), BF=min(64, _pow2(f)), PRECISION=_precision(x),
-        num_warps=8, **_launch(x),
+        C=c, CP=blk.bn, A=a, F=f, BM=blk.bm, BA=min(blk.bk, _pow2(a)), BF=min(blk.bk, _pow2(f)),
+        PRECISION=_precision(x), num_warps=blk.warps, num_stages=blk.stages, **_launch(x),
     )  # fmt: skip
     return o
 
