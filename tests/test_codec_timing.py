@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from workflow.benchmark import SCHEMA
+from workflow.codec.config import CodecConfig
+from workflow.codec.decoder import CodecDecoder
 from workflow.codec.solver import solve
 from workflow.codec.timing import CodecTiming, Runner, SlotRunner, decoders, measure, voice_of
 
@@ -110,6 +112,8 @@ def test_codec_settings_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"tail_kernel: it joins three of the slots' kernels, and benchmark\.codec\.kernels"):
         CodecTiming.from_dict({"tail_kernel": True, "kernels": False})
     assert CodecTiming.from_dict({"tail_kernel": True}).tail_kernel
+    with pytest.raises(ValueError, match="the codec decoder's tail kernel is one of its kernels: kernels=True"):
+        CodecDecoder(CodecConfig.tiny(), tail_kernel=True)
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):
