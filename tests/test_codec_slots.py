@@ -285,11 +285,12 @@ def two_calls(slots: FlowSlots, device: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
 )
-@pytest.mark.parametrize("variant", ["compiled", "kernels", "tail_kernel"])
+@pytest.mark.parametrize("variant", ["compiled", "kernels", "tail_kernel", "resnet_kernel", "tail_kernel+resnet_kernel"])
 def test_the_compiled_slot_pass_and_its_kernels_give_the_eager_ones_frames(decoder, voice, device, variant, monkeypatch):
     """With the decoder's blocks compiled (dynamic shapes), the slot pass runs its resnets and the
     transformer blocks' parts around attention compiled; with its kernels, the transformer blocks in
-    Triton (kernels.py; on the CPU Triton's interpreter), and with its tail kernel, three of them as one.
+    Triton (kernels.py; on the CPU Triton's interpreter), with its tail kernel three of them as one, and with
+    its resnet kernel the resnets in two (resnets.py).
     Each gives the eager pass's frames, for a batch whose rows start at different frames (a stream's
     second call beside another's first). TF32 off."""
     import copy
@@ -300,11 +301,13 @@ def test_the_compiled_slot_pass_and_its_kernels_give_the_eager_ones_frames(decod
         pytest.skip("needs triton, and on the CPU its interpreter (on where no GPU is: conftest)")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     eager = copy.deepcopy(decoder).to(device)
-    other = CodecDecoder(decoder.cfg, **{variant: True} | ({"kernels": True} if variant == "tail_kernel" else {}))
+    flags = dict.fromkeys(variant.split("+"), True) | ({"kernels": True} if variant.endswith("_kernel") else {})
+    other = CodecDecoder(decoder.cfg, **flags)
     other = other.eval().to(device)
     other.load_state_dict(eager.state_dict())
     got = [two_calls(FlowSlots(dec, voice, slots=3, frames=120), device) for dec in (eager, other)]
-    assert getattr(other, variant) and not eager.compiled and not eager.kernels and not eager.tail_kernel
+    assert all(getattr(other, f) for f in flags)
+    assert not (eager.compiled or eager.kernels or eager.tail_kernel or eager.resnet_kernel)
     for want, mine in zip(*got, strict=True):
         torch.testing.assert_close(mine, want, rtol=0, atol=1e-5)
 

@@ -109,11 +109,12 @@ def test_codec_settings_name_what_is_wrong():
     assert CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 8}).fp8_pages
     with pytest.raises(ValueError, match="hift_dtype: 'bfloat16' is not one of float32, float16"):
         CodecTiming.from_dict({"hift_dtype": "bfloat16"})  # 35.7 dB from float32 (docs/levers.md, "CPU HiFT bf16")
-    with pytest.raises(ValueError, match=r"tail_kernel: it joins three of the slots' kernels, and benchmark\.codec\.kernels"):
-        CodecTiming.from_dict({"tail_kernel": True, "kernels": False})
-    assert CodecTiming.from_dict({"tail_kernel": True}).tail_kernel
-    with pytest.raises(ValueError, match="the codec decoder's tail kernel is one of its kernels: kernels=True"):
-        CodecDecoder(CodecConfig.tiny(), tail_kernel=True)
+    for name in ("tail_kernel", "resnet_kernel"):
+        with pytest.raises(ValueError, match=rf"{name}: it is one of the slots' kernels, and benchmark\.codec\.kernels is off"):
+            CodecTiming.from_dict({name: True, "kernels": False})
+        assert getattr(CodecTiming.from_dict({name: True}), name)
+        with pytest.raises(ValueError, match="the codec decoder's tail and resnet kernels are among its kernels"):
+            CodecDecoder(CodecConfig.tiny(), **{name: True})
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workflow.codec import kernels
+from workflow.codec import kernels, resnets
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
 from workflow.codec.fast import ALIGN, compile_block, conv, windowed
@@ -331,13 +331,14 @@ class SlotPass:
     """The estimator's fast pass (fast.py) against a call's slot view: the same U-Net, each row's
     mask shifted by its own first frame. With the decoder's blocks compiled, so are the transformer
     blocks' parts around the attention (the pools are read and written eager, between them); with its
-    `kernels`, the transformer blocks are five Triton kernels each, three with its `tail_kernel` (kernels.py)."""
+    `kernels`, the transformer blocks are five Triton kernels each, three with its `tail_kernel` (kernels.py), and
+    with its `resnet_kernel` the resnets two (resnets.py)."""
 
     def __init__(self, decoder: CodecDecoder) -> None:
         self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
         self.kernels, self.tail = decoder.kernels, decoder.tail_kernel  # CodecDecoder checked that triton is there
         wrap = compile_block if decoder.compiled else lambda f: f
-        self.resnet = wrap(resnet)
+        self.resnet = resnets.resnet if decoder.resnet_kernel else wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
 
     def res(self, r: CausalResnetBlock1D, x: Tensor, time: Tensor, view: SlotView) -> Tensor:
