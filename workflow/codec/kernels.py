@@ -216,6 +216,17 @@ if triton is not None:
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
 
     @triton.jit
+    def layernorm(x, c, ok, n, g_ptr, be_ptr, eps):
+        """LayerNorm over the n columns c of x [rows, columns] in float32 where ok (the rest padding),
+        its weight and bias at g_ptr and be_ptr."""
+        mean = tl.sum(tl.where(ok[None, :], x, 0.0), axis=1) / n
+        xc = tl.where(ok[None, :], x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n + eps)
+        gamma = tl.load(g_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(be_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        return xc * rstd[:, None] * gamma[None, :] + beta[None, :]
+
+    @triton.jit
     def _tail(
         y_ptr, x_ptr, wo_ptr, bo_ptr, g_ptr, be_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, M, eps,
         C: tl.constexpr, CP: tl.constexpr, A: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr,
@@ -243,12 +254,7 @@ if triton is not None:
         acc += tl.load(bo_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         x = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
         h = (acc.to(dt).to(tl.float32) + x).to(dt).to(tl.float32)  # kernel 3's output, as rounded
-        mean = tl.sum(tl.where(c_ok[None, :], h, 0.0), axis=1) / C
-        hc = tl.where(c_ok[None, :], h - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / C + eps)
-        gamma = tl.load(g_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        beta = tl.load(be_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        hn = (hc * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dt)
+        hn = layernorm(h, c, c_ok, C, g_ptr, be_ptr, eps).to(dt)
         out = tl.zeros((BM, CP), tl.float32)
         for f0 in range(0, F, BF):
             f = f0 + tl.arange(0, BF)

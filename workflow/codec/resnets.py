@@ -29,6 +29,7 @@ except ImportError:  # the torch path runs without it
 LEFT = 2  # a causal convolution's left context (kernel 3): the kernels' literal 2
 
 if triton is not None:
+    from workflow.codec.kernels import layernorm
 
     @triton.jit
     def _mish(x):
@@ -69,13 +70,7 @@ if triton is not None:
                 w = tl.load(w_ptr + co[None, :] * (CI * 3) + ci[:, None] * 3 + k, mask=co_ok[None, :] & ci_ok[:, None], other=0.0)
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
         acc += tl.load(b_ptr + co, mask=co_ok, other=0.0).to(tl.float32)[None, :]
-        h = acc.to(dt).to(tl.float32)
-        mean = tl.sum(tl.where(co_ok[None, :], h, 0.0), axis=1) / CO
-        hc = tl.where(co_ok[None, :], h - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / CO + eps)
-        gamma = tl.load(g_ptr + co, mask=co_ok, other=0.0).to(tl.float32)
-        beta = tl.load(be_ptr + co, mask=co_ok, other=0.0).to(tl.float32)
-        h = (hc * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dt).to(tl.float32)
+        h = layernorm(acc.to(dt).to(tl.float32), co, co_ok, CO, g_ptr, be_ptr, eps).to(dt).to(tl.float32)
         return _mish(h).to(dt).to(tl.float32), r, t, co
 
     @triton.jit
