@@ -353,10 +353,10 @@ def attention(
     return y
 
 
-def tail_tile(m: int, c: int) -> Tile:
-    """The tail's blocking for m rows of c channels: bm rows a program, each whole (bn: c padded), its two
-    reductions (the heads' outputs, the feed-forward's middle) bk at a time. A guess, not yet timed: the
-    fewest rows a program (more programs) until a held batch's rows give enough of them."""
+def whole_rows_tile(m: int, c: int) -> Tile:
+    """The blocking of a kernel whose programs hold their rows whole (the tail's, and resnets.py's) for m
+    rows of c channels: bm rows a program (bn: c padded), its reductions bk at a time. A guess, not yet
+    timed: the fewest rows a program (more programs) until a held batch's rows give enough of them."""
     return Tile(16 if m <= 1024 else 32, _pow2(c), 64, 8, 1)
 
 
@@ -370,7 +370,7 @@ def tail(
     launches fewer a block (`benchmark.codec.tail_kernel`)."""
     m, a = y.shape
     c, f = x.shape[1], ff1.weight.shape[0]
-    blk = blocking or tail_tile(m, c)
+    blk = blocking or whole_rows_tile(m, c)
     if blk.bn < c:
         raise ValueError(f"tail: a program holds its rows whole, {c} channels, not {blk.bn}")
     o = torch.empty_like(x)

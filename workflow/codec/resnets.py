@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from workflow.codec.estimator import CausalResnetBlock1D
-from workflow.codec.kernels import Tile, _launch, _pow2, _precision
+from workflow.codec.kernels import Tile, _launch, _pow2, _precision, whole_rows_tile
 
 try:
     import triton
@@ -122,12 +122,6 @@ if triton is not None:
                 tl.store(kept2_ptr + (r * 2 + i) * CO + co, h1, mask=co_ok)
 
 
-def resnet_tile(rows: int, c: int) -> Tile:
-    """A resnet kernel's blocking for rows x frames of c output channels: bm frames a program, each whole
-    (bn: c padded), its reductions bk input channels at a time. A guess, not yet timed."""
-    return Tile(16 if rows <= 1024 else 32, _pow2(c), 64, 8, 1)
-
-
 def resnet(
     r: CausalResnetBlock1D, x: Tensor, time: Tensor, tails: tuple[Tensor, Tensor], valid: Tensor,
     blocking: Tile | None = None,
@@ -137,7 +131,7 @@ def resnet(
     (c1, _, n1), (c2, _, n2) = r.block1.block, r.block2.block
     rows, q, ci = x.shape
     co = c1.out_channels
-    blk = blocking or resnet_tile(rows * q, co)
+    blk = blocking or whole_rows_tile(rows * q, co)
     if blk.bn < co:
         raise ValueError(f"resnet: a program holds its frames whole, {co} channels, not {blk.bn}")
     for tail in tails:

@@ -93,6 +93,7 @@ class Scheduler:
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
+        self.codes_a_call: int = getattr(detokenize, "codes_a_call", 0)  # a stream's most in a later batch (0: all)
         self.rate = pcm_rate(detokenize)
         self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * self.rate)  # a chunk's, in samples
         limits = (engine.max_batch, cfg.max_streams, getattr(detokenize, "max_streams", 0))
@@ -249,7 +250,7 @@ class Scheduler:
         if going and joins is not None:
             going |= {rid for rid, req in reqs.items() if joins(req)}
         if going:
-            most = 0 if urgent else getattr(self.detokenize, "codes_a_call", 0)  # a later batch: one flow call a stream
+            most = 0 if urgent else self.codes_a_call  # a later batch: one flow call a stream
             go, keep, codes = [], [], Counter()
             for c in self.outbox:
                 if c[0].rid in going and (not most or c[0].rid not in codes or codes[c[0].rid] + len(c[1]) <= most):
