@@ -1,8 +1,9 @@
 """The codec decoder's A/B with no engine, so a device call of its own on a fresh machine (~1 min an arm on an
 H200 at the true shape, the first longer for its compiles): the benchmark's codec section (`timing.measure`)
 of `benchmark.codec` as the configs give it (config/config.yaml, then each file named; the held call at
-`load.detokenize_hold` chunks, as the benchmark times it), then with each arm's settings over it. The eager
-baseline is left out. A line per call, variant and batch as it is timed, then every arm's calls as JSON.
+`load.detokenize_hold` chunks, as the benchmark times it), then with each arm's settings over it. An arm that
+fails is recorded with its error and the next one runs. The eager baseline is left out. A line per call, variant
+and batch as it is timed, then every arm's calls as JSON.
 `gpu_pair.sh c` runs it.
 
     CODEC_ARMS='{"float32 HiFT": {"hift_dtype": "float32"}}' PYTHONPATH=. \\
@@ -36,7 +37,12 @@ def main() -> None:
     for name, over in ARMS.items():
         t0 = time.perf_counter()
         t = CodecTiming.from_dict(codec | {"baseline": False, "held": held} | over)
-        calls = measure(t, device)["calls"]
+        try:
+            calls = measure(t, device)["calls"]
+        except Exception as e:  # one arm that cannot run must not cost the arms after it
+            print(f"{name}: failed: {type(e).__name__}: {e}", flush=True)
+            results[name] = {"settings": over, "error": f"{type(e).__name__}: {e}"}
+            continue
         for c in calls:
             print(
                 f"{name} | {c['variant']} | {c['call']} | batch {c['batch']} | front end {c['front_end_ms']:.2f} | "
