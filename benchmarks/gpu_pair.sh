@@ -54,7 +54,7 @@ set -euo pipefail
 # in call 3 (bf16's benchmark takes longer), so that call 4 leaves GPU 0 and its cores to a probe
 FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
              tests/test_quant.py tests/test_codec_slots.py tests/test_codec_batch.py)
-CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_resnets.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
+CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 one=${PROBE_ONE:-fp8}  # one GPU: the precision an A/B builds and probes
 # side <gpu> <precision> [rule]: gpu_pipeline.sh on GPU i with the i-th half of the cores (one GPU: all of them)

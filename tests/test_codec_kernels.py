@@ -93,13 +93,11 @@ def call(c: int, heads: int, d: int, device: str, dtype: torch.dtype, seed: int 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("c", "heads", "d"), [(32, 2, 16), (32, 2, 8), (64, 4, 32), (48, 3, 40)])
-@pytest.mark.parametrize("with_tail", [False, True], ids=["five", "tail"])
-def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d, with_tail):
+@pytest.mark.parametrize(("c", "heads", "d"), [(32, 2, 16), (32, 2, 8), (64, 4, 32)])
+def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d):
     """Output of every valid frame, and the pool after the call (the new keys and values written
     where the call writes, nothing else touched), for head widths of 16, 8 (padded to the 16 a
-    Triton dot needs), 32 and 40 (heads 120 wide, over two of the tail's 64-wide steps, channels 48
-    padded to 64); with_tail: the out projection, LayerNorm and feed-forward in one kernel."""
+    Triton dot needs) and 32."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     b, h, pool, ix = call(c, heads, d, device, dtype)
     theirs_pool, ours_pool = pool.clone(), pool.clone()
@@ -107,7 +105,7 @@ def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d, with_tail)
     view = types.SimpleNamespace(kv={b.attn1: theirs_pool}, ix=ix, scale={})
     with torch.no_grad():
         theirs = SlotPass.transformer(torch_path, b, h, row_bias(ix, h.shape[1], 8, dtype), view)
-        ours = kernels.block(b, h, ours_pool, ix.keys, ix.writes, ix.starts, ix.valid, 8, with_tail=with_tail)
+        ours = kernels.block(b, h, ours_pool, ix.keys, ix.writes, ix.starts, ix.valid, 8)
     atol = 1e-5 if dtype == torch.float32 else 0.05
     for r, n in enumerate(ix.valid.tolist()):
         assert n == 0 or (ours[r, :n].float() - theirs[r, :n].float()).abs().max() <= atol, r
@@ -115,26 +113,6 @@ def test_block_in_kernels_is_the_torch_slot_pass(device, c, heads, d, with_tail)
     written = torch.zeros(pool.shape[0], dtype=torch.bool, device=device)
     written[ix.writes.flatten()] = True
     assert torch.equal(ours_pool[~written], pool[~written]) and not torch.equal(ours_pool[written], pool[written])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("blocking", [None, kernels.Tile(32, 64, 32, 4, 2)], ids=["default", "32-rows"])
-def test_the_tail_is_the_blocks_out_projection_norm_and_feed_forward(device, blocking):
-    """`kernels.tail` against torch's modules over rows that fill no block (50), at its default blocking
-    and another (32 rows a program, reductions 32 wide, pipelined), and refused where a program could not
-    hold its rows whole."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    torch.manual_seed(3)
-    b = TransformerBlock(48, 3, 40).to(device, dtype)
-    y, x = torch.randn(50, 120, device=device, dtype=dtype), torch.randn(50, 48, device=device, dtype=dtype)
-    ff = b.ff.net
-    with torch.no_grad():
-        h = x + b.attn1.to_out[0](y)
-        want = h + ff[2](torch.nn.functional.gelu(ff[0].proj(b.norm3(h))))
-        got = kernels.tail(y, x, b.attn1.to_out[0], b.norm3, ff[0].proj, ff[2], blocking)
-        with pytest.raises(ValueError, match="tail: a program holds its rows whole, 48 channels, not 32"):
-            kernels.tail(y, x, b.attn1.to_out[0], b.norm3, ff[0].proj, ff[2], kernels.Tile(16, 32, 32, 4, 1))
-    assert (got.float() - want.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -285,29 +285,24 @@ def two_calls(slots: FlowSlots, device: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
 )
-@pytest.mark.parametrize("variant", ["compiled", "kernels", "tail_kernel", "resnet_kernel", "tail_kernel+resnet_kernel"])
+@pytest.mark.parametrize("variant", ["compiled", "kernels"])
 def test_the_compiled_slot_pass_and_its_kernels_give_the_eager_ones_frames(decoder, voice, device, variant, monkeypatch):
     """With the decoder's blocks compiled (dynamic shapes), the slot pass runs its resnets and the
     transformer blocks' parts around attention compiled; with its kernels, the transformer blocks in
-    Triton (kernels.py; on the CPU Triton's interpreter), with its tail kernel three of them as one, and with
-    its resnet kernel the resnets in two (resnets.py).
-    Each gives the eager pass's frames, for a batch whose rows start at different frames (a stream's
-    second call beside another's first). TF32 off."""
+    Triton (kernels.py; on the CPU Triton's interpreter). Each gives the eager pass's frames, for a batch whose
+    rows start at different frames (a stream's second call beside another's first). TF32 off."""
     import copy
 
     from workflow.codec import kernels
 
-    if variant != "compiled" and (not kernels.available() or (device == "cpu" and torch.cuda.is_available())):
+    if "kernels" in variant and (not kernels.available() or (device == "cpu" and torch.cuda.is_available())):
         pytest.skip("needs triton, and on the CPU its interpreter (on where no GPU is: conftest)")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     eager = copy.deepcopy(decoder).to(device)
-    flags = dict.fromkeys(variant.split("+"), True) | ({"kernels": True} if variant.endswith("_kernel") else {})
-    other = CodecDecoder(decoder.cfg, **flags)
-    other = other.eval().to(device)
+    other = CodecDecoder(decoder.cfg, **{variant: True}).eval().to(device)
     other.load_state_dict(eager.state_dict())
     got = [two_calls(FlowSlots(dec, voice, slots=3, frames=120), device) for dec in (eager, other)]
-    assert all(getattr(other, f) for f in flags)
-    assert not (eager.compiled or eager.kernels or eager.tail_kernel or eager.resnet_kernel)
+    assert getattr(other, variant.split(",")[0]) and not eager.compiled and not eager.kernels
     for want, mine in zip(*got, strict=True):
         torch.testing.assert_close(mine, want, rtol=0, atol=1e-5)
 

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from workflow.benchmark import SCHEMA
-from workflow.codec.config import CodecConfig
-from workflow.codec.decoder import CodecDecoder
 from workflow.codec.solver import solve
 from workflow.codec.timing import CodecTiming, Runner, SlotRunner, decoders, measure, voice_of
 
@@ -109,12 +107,6 @@ def test_codec_settings_name_what_is_wrong():
     assert CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 8}).fp8_pages
     with pytest.raises(ValueError, match="hift_dtype: 'bfloat16' is not one of float32, float16"):
         CodecTiming.from_dict({"hift_dtype": "bfloat16"})  # 35.7 dB from float32 (docs/levers.md, "CPU HiFT bf16")
-    for name in ("tail_kernel", "resnet_kernel"):
-        with pytest.raises(ValueError, match=rf"{name}: it is one of the slots' kernels, and benchmark\.codec\.kernels is off"):
-            CodecTiming.from_dict({name: True, "kernels": False})
-        assert getattr(CodecTiming.from_dict({name: True}), name)
-        with pytest.raises(ValueError, match="the codec decoder's tail and resnet kernels are among its kernels"):
-            CodecDecoder(CodecConfig.tiny(), **{name: True})
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

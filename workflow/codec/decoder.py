@@ -137,27 +137,15 @@ class CodecDecoder(nn.Module):
     (flow-chunk-<chunk>.pt) and chunk masks by default; 0 the offline flow.pt. `official`: the solves run
     the estimator's own forward (the published structure: the benchmark's baseline), not its fast pass;
     `compiled`: the fast pass's blocks through torch.compile (fast.py); `kernels`: the flow slots' transformer
-    blocks and HiFT's Snake activations as Triton kernels (kernels.py, snake.py, CUDA); `tail_kernel`: with them,
-    a block's out projection, LayerNorm and feed-forward as one (kernels.tail); `resnet_kernel`: with them, each
-    resnet of the slots' pass as two (resnets.py)."""
+    blocks and HiFT's Snake activations as Triton kernels (kernels.py, snake.py, CUDA)."""
 
     def __init__(
-        self,
-        cfg: CodecConfig | None = None,
-        *,
-        official: bool = False,
-        compiled: bool = False,
-        kernels: bool = False,
-        tail_kernel: bool = False,
-        resnet_kernel: bool = False,
+        self, cfg: CodecConfig | None = None, *, official: bool = False, compiled: bool = False, kernels: bool = False
     ) -> None:
         super().__init__()
         if kernels and not kernels_module.available():
             raise RuntimeError("the codec decoder's kernels need triton (benchmark.codec.kernels)")
-        if (tail_kernel or resnet_kernel) and not kernels:
-            raise ValueError("the codec decoder's tail and resnet kernels are among its kernels: kernels=True")
         self.official, self.kernels = official, kernels
-        self.tail_kernel, self.resnet_kernel = tail_kernel, resnet_kernel
         self.cfg = cfg = cfg or CodecConfig()
         self.flow = FlowFrontEnd(cfg.encoder)
         self.estimator = CausalConditionalDecoder.from_codec(cfg)

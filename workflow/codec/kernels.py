@@ -1,5 +1,5 @@
-"""The slot pass's transformer blocks (slots.py) in five Triton kernels, or three with the tail in one
-(`tail`), for CUDA (Triton's interpreter runs them on the CPU in the tests).
+"""The slot pass's transformer blocks (slots.py) in five Triton kernels, for CUDA (Triton's interpreter
+runs them on the CPU in the tests).
 
 Why: at batch 1 an ODE step is bound by how many kernels it launches, ~3.5 us each even from a CUDA
 graph (docs/levers.md, "H100 codec 3" and "H100 codec 4"), and the slot pass's transformer block,
@@ -14,11 +14,7 @@ and the copies around it, the out GEMM, the residual, LayerNorm, the two feed-fo
    an online softmax over blocks of keys, stopping at the last key its queries may see;
 3. the out projection, its bias and the residual;
 4. LayerNorm (norm3), the feed-forward's first GEMM and its exact GELU;
-5. the feed-forward's second GEMM, its bias and the residual;
-
-or, with `benchmark.codec.tail_kernel`, 3-5 as one (`tail`): a program holds its rows whole and walks
-the feed-forward's middle a block of columns at a time, so there are fewer programs, each reading
-every weight of the three.
+5. the feed-forward's second GEMM, its bias and the residual.
 
 Each result is rounded to the activations' dtype where the torch path rounds it (LayerNorm's output,
 a GEMM's output with its bias, the GELU, the residual sum), so the two agree to that rounding.
@@ -215,59 +211,6 @@ if triton is not None:
         out = y_ptr + (r * Q + i)[:, None] * inner + h * D + d[None, :]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
-    def layernorm(x, c, ok, n, g_ptr, be_ptr, eps):
-        """LayerNorm over the n columns c of x [rows, columns] in float32 where ok (the rest padding),
-        its weight and bias at g_ptr and be_ptr."""
-        mean = tl.sum(tl.where(ok[None, :], x, 0.0), axis=1) / n
-        xc = tl.where(ok[None, :], x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n + eps)
-        gamma = tl.load(g_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        beta = tl.load(be_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        return xc * rstd[:, None] * gamma[None, :] + beta[None, :]
-
-    @triton.jit
-    def _tail(
-        y_ptr, x_ptr, wo_ptr, bo_ptr, g_ptr, be_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, M, eps,
-        C: tl.constexpr, CP: tl.constexpr, A: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr,
-        BF: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr,
-    ):  # fmt: skip
-        """A block's tail over BM whole rows a program: h = x + y @ wo.T + bo, then
-        out = h + GELU(LayerNorm(h) @ w1.T + b1) @ w2.T + b2, the feed-forward's F-wide middle BF columns at a
-        time (never whole). y [M, A] (the heads' outputs), x [M, C] (the block's input), wo [C, A], w1 [F, C],
-        w2 [C, F]. Rounded to the activations' dtype where kernels 3-5 round (`_linear`)."""
-        m = tl.program_id(0) * BM + tl.arange(0, BM)
-        c = tl.arange(0, CP)
-        m_ok, c_ok = m < M, c < C
-        ok = m_ok[:, None] & c_ok[None, :]
-        dt = y_ptr.dtype.element_ty
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BM, CP), tl.float32)
-        for a0 in range(0, A, BA):
-            a = a0 + tl.arange(0, BA)
-            a_ok = a < A
-            y = tl.load(y_ptr + m[:, None] * A + a[None, :], mask=m_ok[:, None] & a_ok[None, :], other=0.0)
-            wo = tl.load(wo_ptr + c[None, :] * A + a[:, None], mask=c_ok[None, :] & a_ok[:, None], other=0.0)
-            acc = tl.dot(y, wo, acc, input_precision=PRECISION)
-        acc += tl.load(bo_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        x = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        h = (acc.to(dt).to(tl.float32) + x).to(dt).to(tl.float32)  # kernel 3's output, as rounded
-        hn = layernorm(h, c, c_ok, C, g_ptr, be_ptr, eps).to(dt)
-        out = tl.zeros((BM, CP), tl.float32)
-        for f0 in range(0, F, BF):
-            f = f0 + tl.arange(0, BF)
-            f_ok = f < F
-            w1 = tl.load(w1_ptr + f[None, :] * C + c[:, None], mask=f_ok[None, :] & c_ok[:, None], other=0.0)
-            g = tl.dot(hn, w1, input_precision=PRECISION) + tl.load(b1_ptr + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-            g = g.to(dt).to(tl.float32)
-            g = (0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))).to(dt)
-            w2 = tl.load(w2_ptr + c[None, :] * F + f[:, None], mask=c_ok[None, :] & f_ok[:, None], other=0.0)
-            out = tl.dot(g, w2, out, input_precision=PRECISION)
-        out += tl.load(b2_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * C + c[None, :], (out.to(dt).to(tl.float32) + h).to(dt), mask=ok)
-
 
 def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -353,42 +296,13 @@ def attention(
     return y
 
 
-def whole_rows_tile(m: int, c: int) -> Tile:
-    """The blocking of a kernel whose programs hold their rows whole (the tail's, and resnets.py's) for m
-    rows of c channels: bm rows a program (bn: c padded), its reductions bk at a time. A guess, not yet
-    timed: the fewest rows a program (more programs) until a held batch's rows give enough of them."""
-    return Tile(16 if m <= 1024 else 32, _pow2(c), 64, 8, 1)
-
-
-def tail(
-    y: Tensor, x: Tensor, out: torch.nn.Linear, norm: torch.nn.LayerNorm, ff1: torch.nn.Linear, ff2: torch.nn.Linear,
-    blocking: Tile | None = None,
-) -> Tensor:  # fmt: skip
-    """x + out(y), then that + ff2(GELU(ff1(norm(that)))), in one kernel where kernels 3-5 are three: y [M, A],
-    x [M, C] -> [M, C]. Each program holds its rows whole (C wide), reads every weight (~1 MB at the true
-    shape, from L2) and walks the feed-forward's middle bk columns at a time: fewer, longer programs, two
-    launches fewer a block (`benchmark.codec.tail_kernel`)."""
-    m, a = y.shape
-    c, f = x.shape[1], ff1.weight.shape[0]
-    blk = blocking or whole_rows_tile(m, c)
-    if blk.bn < c:
-        raise ValueError(f"tail: a program holds its rows whole, {c} channels, not {blk.bn}")
-    o = torch.empty_like(x)
-    _tail[(triton.cdiv(m, blk.bm),)](
-        y, x, out.weight, out.bias, norm.weight, norm.bias, ff1.weight, ff1.bias, ff2.weight, ff2.bias, o, m, norm.eps,
-        C=c, CP=blk.bn, A=a, F=f, BM=blk.bm, BA=min(blk.bk, _pow2(a)), BF=min(blk.bk, _pow2(f)),
-        PRECISION=_precision(x), num_warps=blk.warps, num_stages=blk.stages, **_launch(x),
-    )  # fmt: skip
-    return o
-
-
 def block(
     b: torch.nn.Module, h: Tensor, pool: Tensor, keys: Tensor, writes: Tensor, starts: Tensor, valid: Tensor, chunk: int,
-    scale: Tensor | None = None, with_tail: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """A TransformerBlock (estimator.py) over h [R, Q, C], as slots.SlotPass.transformer computes it:
     the new keys and values written to pool frames `writes` [R, Q], every key read from pool frames `keys`
-    (an fp8 pool: `scale` its scale); with_tail: kernels 3-5 as one (`tail`).
+    (an fp8 pool: `scale` its scale).
     The LayerNorms stay in their GEMMs at any rows: apart (torch's LayerNorm, then a GEMM pipelined
     over K) they never won on an H100 from 80 to 7,680 rows (levers.md, "H100 codec tiles")."""
     r, nq, c = h.shape
@@ -396,8 +310,6 @@ def block(
     x = h.reshape(r * nq, c).contiguous()
     q = linear(x, a.qkv.weight, norm=b.norm1, pool=pool, writes=writes.reshape(-1), pool_scale=scale)
     y = attention(q.view(r, nq, a.heads, -1), pool, keys, starts, valid, chunk, scale=scale)
-    if with_tail:
-        return tail(y.view(r * nq, -1), x, a.to_out[0], b.norm3, ff[0].proj, ff[2]).view(r, nq, c)
     h = linear(y.view(r * nq, -1), a.to_out[0].weight, a.to_out[0].bias, residual=x)
     g = linear(h, ff[0].proj.weight, ff[0].proj.bias, norm=b.norm3, gelu=True)
     return linear(g, ff[2].weight, ff[2].bias, residual=h).view(r, nq, c)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workflow.codec import kernels, resnets
+from workflow.codec import kernels
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import CausalConv1d, CausalResnetBlock1D, TransformerBlock
 from workflow.codec.fast import ALIGN, compile_block, conv, windowed
@@ -331,14 +331,13 @@ class SlotPass:
     """The estimator's fast pass (fast.py) against a call's slot view: the same U-Net, each row's
     mask shifted by its own first frame. With the decoder's blocks compiled, so are the transformer
     blocks' parts around the attention (the pools are read and written eager, between them); with its
-    `kernels`, the transformer blocks are five Triton kernels each, three with its `tail_kernel` (kernels.py), and
-    with its `resnet_kernel` the resnets two (resnets.py)."""
+    `kernels`, the transformer blocks are five Triton kernels each (kernels.py)."""
 
     def __init__(self, decoder: CodecDecoder) -> None:
         self.fast, self.chunk = decoder.fast, decoder.estimator.chunk_frames
-        self.kernels, self.tail = decoder.kernels, decoder.tail_kernel  # CodecDecoder checked that triton is there
+        self.kernels = decoder.kernels  # CodecDecoder checked that triton is there
         wrap = compile_block if decoder.compiled else lambda f: f
-        self.resnet = resnets.resnet if decoder.resnet_kernel else wrap(resnet)
+        self.resnet = wrap(resnet)
         self.qkv, self.out = (qkv, out) if self.kernels else (wrap(qkv), wrap(out))  # the kernels replace them
 
     def res(self, r: CausalResnetBlock1D, x: Tensor, time: Tensor, view: SlotView) -> Tensor:
@@ -355,7 +354,7 @@ class SlotPass:
         scale = view.scale.get(b.attn1)
         if self.kernels:
             ix = view.ix
-            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk, scale, self.tail)
+            return kernels.block(b, h, view.kv[b.attn1], ix.keys, ix.writes, ix.starts, ix.valid, self.chunk, scale)
         x = self.qkv(b, h)
         pool = view.kv[b.attn1]
         pool.index_put_((view.ix.writes,), x[:, :, 1:] if scale is None else to_page(x[:, :, 1:], scale))

@@ -79,8 +79,6 @@ class CodecTiming:
     graphs: bool = True  # CUDA only
     compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
     kernels: bool = True  # CUDA only: the flow slots' transformer blocks as Triton kernels (kernels.py)
-    tail_kernel: bool = False  # with kernels: a block's out projection, LayerNorm and feed-forward as one (kernels.tail)
-    resnet_kernel: bool = False  # with kernels: each resnet of the flow slots' pass as two kernels (resnets.py)
     slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
     pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
     fp8_pages: bool = False  # the slots' keys and values in float8 e4m3 (slots.py): half the memory a second of audio
@@ -93,9 +91,6 @@ class CodecTiming:
             raise ValueError(f"benchmark.codec.preset: '{self.preset}' is not one of {', '.join(PRESETS)}")
         cfg = PRESETS[self.preset]()
         chunk = cfg.chunk
-        for name in ("tail_kernel", "resnet_kernel"):
-            if getattr(self, name) and not self.kernels:
-                raise ValueError(f"benchmark.codec.{name}: it is one of the slots' kernels, and benchmark.codec.kernels is off")
         if self.hift_dtype not in ("float32", "float16"):
             raise ValueError(f"benchmark.codec.hift_dtype: '{self.hift_dtype}' is not one of float32, float16")
         if self.fp8_pages and not self.slots:
@@ -272,14 +267,7 @@ def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> t
     base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
     base.official = True
     cuda = device.type == "cuda"
-    ours = CodecDecoder(
-        base.cfg,
-        compiled=t.compile and cuda,
-        kernels=t.kernels and cuda,
-        tail_kernel=t.tail_kernel and cuda,
-        resnet_kernel=t.resnet_kernel and cuda,
-    )
-    ours = ours.eval().to(device)
+    ours = CodecDecoder(base.cfg, compiled=t.compile and cuda, kernels=t.kernels and cuda).eval().to(device)
     ours.load_state_dict(base.state_dict())
     dtype = getattr(torch, t.dtype)
     ours.flow.to(dtype)
