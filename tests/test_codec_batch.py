@@ -314,6 +314,7 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     detok = CodecLanes(CodecBatch(decoder, voice, slots=slots, max_codes=20), torch.device("cpu"), time.perf_counter)
     assert detok.sample_rate == 24000 and detok.first_codes == 6 and not detok.lanes
     assert detok.warm(2, 5, 20) == 2 * 4 and not detok.batch.streams  # four pieces for each of buckets 1 and 2
+    assert set(detok.warm_s) == {1, 2} and all(t["pieces"] > 0 <= t["flow"] for t in detok.warm_s.values())  # its time
     assert detok.batch.pass_rows == 2  # a HiFT pass of held calls takes no more rows than warm made graphs for
     cfg = load.LoadConfig(closed=(2,), duration_s=1.0, reply_seconds=(1.0, 1.6), prompt_len=24, slots=4)
     levels, served = [], []
@@ -330,6 +331,9 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
     finally:
         load.run_level = real
     assert out["levels"][0]["served"] == out["levels"][0]["requests"] > 0 and not detok.batch.streams
+    made = out["prepared"]  # the load's warm: its time by batch size (CodecBatch's buckets: every size up to load.slots)
+    assert list(made["detokenizer_seconds"]) == ["1", "2", "3", "4"] and made["detokenizer_batches"] == 4 * 4
+    assert sum(t["flow"] + t["pieces"] for t in made["detokenizer_seconds"].values()) <= made["seconds"] - made["engine_seconds"]
     assert out["levels"][0]["max_streams"] == (slots or cfg.slots)
     lanes, wall = out["levels"][0]["detokenizer_calls"], out["levels"][0]["wall_s"]  # by lane: a second, a call's
     assert set(lanes) == {"detokenize", "detokenize first"} and all(1 <= c["streams"] <= c["chunks"] for c in lanes.values())

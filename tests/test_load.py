@@ -208,11 +208,17 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
     made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
     assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0
-    assert 0 <= made["engine_seconds"] <= made["seconds"]  # the engine's graphs' part of it
+    assert 0 <= made["admission_seconds"] <= made["engine_seconds"] <= made["seconds"]  # the engine's graphs' part of it
+    assert "detokenizer_seconds" not in made  # no detokenizer here
     cuda = {"engine_graphs": 174, "detokenizer_batches": 261, "seconds": 163.4, "engine_seconds": 61.2, "reserved_bytes": 2**31}
     said = load_report._prepared(cuda)  # as a GPU's benchmark.md says it; a file from before engine_seconds without its part
     assert "174 engine graphs (61 s) and 261 detokenizer batches in 163 s in all, holding 2.0 GiB more." in said
     assert "engine graphs and 261" in load_report._prepared({k: v for k, v in cuda.items() if k != "engine_seconds"})
+    by_rows = {"1": {"flow": 3.2, "pieces": 5.6}, "40": {"flow": 51.0, "pieces": 9.0}}
+    split_s = cuda | {"admission_seconds": 40.4, "detokenizer_seconds": by_rows}
+    said_s = load_report._prepared(split_s)  # the engine's admissions' part, the detokenizer's by batch rows
+    assert "174 engine graphs (61 s, admissions 40) and 261 detokenizer batches in 163 s in all, holding 2.0 GiB more." in said_s
+    assert said_s.endswith(" The detokenizer's seconds by batch rows, flows + pieces: 1: 3 + 6, 40: 51 + 9.")
     assert "memory" not in made and "Graph pools" not in said  # the CPU's, and a file from before the split
     gib = {"graph_pools": (45, 4), "rest": (60, 50), "engine_graphs": (3, 1), "detokenizer_graphs": (40, 2.5)}
     split = {k: {"reserved_bytes": int(r * 2**30), "allocated_bytes": int(a * 2**30)} for k, (r, a) in gib.items()}

@@ -14,9 +14,15 @@ def _prepared(made: dict | None) -> str:
         return ""
     held = f", holding {made['reserved_bytes'] / 2**30:.1f} GiB more" if made["reserved_bytes"] else ""
     engine = f" ({made['engine_seconds']:.0f} s)" if "engine_seconds" in made else ""
+    if "admission_seconds" in made and made["engine_graphs"]:
+        engine = f" ({made['engine_seconds']:.0f} s, admissions {made['admission_seconds']:.0f})"
+    by_rows = made.get("detokenizer_seconds") or {}
+    rows = ", ".join(f"{n}: {t['flow']:.0f} + {t['pieces']:.0f}" for n, t in by_rows.items())
     return (
         f" Made ahead of the levels: {made['engine_graphs']} engine graphs{engine} and {made['detokenizer_batches']} "
-        f"detokenizer batches in {made['seconds']:.0f} s in all{held}." + _memory(made.get("memory"))
+        f"detokenizer batches in {made['seconds']:.0f} s in all{held}."
+        + (f" The detokenizer's seconds by batch rows, flows + pieces: {rows}." if rows else "")
+        + _memory(made.get("memory"))
     )
 
 

@@ -5,6 +5,7 @@ made ahead (`warm`)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,7 @@ class CodecLanes(Lanes):
         self.codes_a_call = batch.frames_a_call[-1] // batch.decoder.stride if batch.frames_a_call else 0  # a slot's most
         self.lane_of: dict[int, torch.cuda.Stream] = {}  # CUDA: each stream's last lane
         self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
+        self.warm_s: dict[int, dict[str, float]] = {}  # the last `warm`'s seconds by batch rows: its flows', its pieces'
 
     def _run(self, pieces: list[Piece]) -> list[int]:
         if self.lanes:
@@ -74,7 +76,9 @@ class CodecLanes(Lanes):
         first two audible pieces (the second goes there too while the first made less than a chunk's
         audio: serve/scheduler.py), its last call at one length only (a reply that ends there is short:
         its last call's context is its own). The last calls of more streams ending in one batch than
-        `few` go in HiFT passes of no more (`CodecBatch.last_rows`). Returns the batches run."""
+        `few` go in HiFT passes of no more (`CodecBatch.last_rows`). Returns the batches run; `warm_s` then
+        holds each batch size's seconds, its flows' (front end and solve; with slots, their graphs) and its
+        pieces' (whole calls: HiFT's graphs, the flows replayed), the device waited for after each."""
         batch = self.batch
         batch.make_last = True
         try:
@@ -91,8 +95,11 @@ class CodecLanes(Lanes):
     def _warm(self, rows: int, codes: int, max_codes: int, few: int) -> int:
         batch, calls = self.batch, 0
         dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
+        self.warm_s = {}
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
+            took = self.warm_s[n] = {"flow": 0.0, "pieces": 0.0}
             for urgent in (False, True) if n <= few and self.lanes else (False,):
+                t0 = self._now()
                 upto = self.first_codes + codes if urgent else max(max_codes, self.first_codes) + codes
                 if batch.pad_frames:  # the flow at every frame bucket (a last call rides in the same graphs)
                     pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
@@ -102,6 +109,7 @@ class CodecLanes(Lanes):
                             with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
                                 batch.mel([call] * n, solve=q)
                             calls += 1
+                t1 = self._now()
                 fc = self.first_codes
                 lasts = codes if n <= few and not urgent and batch.graphs is not None else 1  # last calls to make (the CPU: none)
                 for left in range(lasts):  # a last piece of `left` codes
@@ -110,4 +118,11 @@ class CodecLanes(Lanes):
                         self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
                     self([Piece(s, torch.zeros(left, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
                     calls += 4
+                took["flow"], took["pieces"] = took["flow"] + t1 - t0, took["pieces"] + self._now() - t1
         return calls
+
+    def _now(self) -> float:
+        """The host's clock once the device has done what it was given (CUDA): `warm_s` counts work done."""
+        if self.lanes:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

@@ -282,18 +282,22 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     """Before any level: the engine's decode and admission graphs for every shape the levels can
     meet, and the detokenizer's for every batch (where they have them), so that no stream
     stalls while one is captured or compiled mid-level. Then every object so far is frozen out of
-    Python's garbage collector (gc.freeze, until `run` ends): a full collection walked ~0.8 M of them,
-    ~400 ms of the loop's thread, on an H200's host (levers.md, "H200 detokenizer host"). Returns what it made, how
-    long it took, the objects frozen and (CUDA) the device memory it left reserved, and the device's
-    memory split by the engine's and the detokenizer's graph pools (what sizes the codec's pages)."""
-    t0, graphs, calls = time.perf_counter(), 0, 0
+    Python's garbage collector (gc.freeze, until `run` ends): a full collection walked ~0.8 M of them, ~400 ms
+    of the loop's thread, on an H200's host (levers.md, "H200 detokenizer host"). Returns what it made, how long
+    it took (the engine's part, its admissions' within it; the detokenizer's by batch size), the objects frozen
+    and (CUDA) the memory it left reserved, split by the engine's and the detokenizer's graph pools."""
+    t0, graphs, calls, t_admit = time.perf_counter(), 0, 0, 0.0
     cuda, marks = engine.device.type == "cuda", PoolMarks(engine.device)
     reserved = torch.cuda.memory_reserved(engine.device) if cuda else 0
     if engine.active():  # what ran before (the streams benchmark) ends: the load starts from free slots
         engine.release(engine.active())
     if capture := getattr(engine, "capture", None):
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
-        graphs = capture(cfg.slots, cfg.prompt_len, admissions)
+        graphs = capture(0, cfg.prompt_len, admissions)  # admissions alone first: their part of the time
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        t_admit = time.perf_counter() - t0
+        graphs += capture(cfg.slots, cfg.prompt_len)
     t_engine = time.perf_counter() - t0
     marks.mark("engine_graphs")  # its snapshot's time counted in the detokenizer's part
     if warm := getattr(detokenize, "warm", None):
@@ -307,7 +311,9 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     memory = marks.split()
     gc.freeze()  # Python's full collections walk only what comes after (`run` unfreezes it)
     made = {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
-            "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count()}  # fmt: skip
+            "admission_seconds": t_admit, "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count()}  # fmt: skip
+    if by_rows := getattr(detokenize, "warm_s", None):
+        made["detokenizer_seconds"] = {str(n): s for n, s in by_rows.items()}
     return made | {"memory": memory} if memory else made
 
 
