@@ -13,9 +13,8 @@ def _prepared(made: dict | None) -> str:
     if not made or not (made["engine_graphs"] or made["detokenizer_batches"]):
         return ""
     held = f", holding {made['reserved_bytes'] / 2**30:.1f} GiB more" if made["reserved_bytes"] else ""
-    engine = f" ({made['engine_seconds']:.0f} s)" if "engine_seconds" in made else ""
-    if "admission_seconds" in made and made["engine_graphs"]:
-        engine = f" ({made['engine_seconds']:.0f} s, admissions {made['admission_seconds']:.0f})"
+    admit = f", admissions {made['admission_seconds']:.0f}" if made.get("admission_seconds") is not None else ""
+    engine = f" ({made['engine_seconds']:.0f} s{admit})" if "engine_seconds" in made else ""
     by_rows = made.get("detokenizer_seconds") or {}
     rows = ", ".join(f"{n}: {t['flow']:.0f} + {t['pieces']:.0f}" for n, t in by_rows.items())
     return (
