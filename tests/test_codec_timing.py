@@ -107,6 +107,9 @@ def test_codec_settings_name_what_is_wrong():
     assert CodecTiming.from_dict({"fp8_pages": True, "slots": 2, "prompt_codes": 8}).fp8_pages
     with pytest.raises(ValueError, match="hift_dtype: 'bfloat16' is not one of float32, float16"):
         CodecTiming.from_dict({"hift_dtype": "bfloat16"})  # 35.7 dB from float32 (docs/levers.md, "CPU HiFT bf16")
+    with pytest.raises(ValueError, match=r"pad_frames: 162 is not a positive multiple of 4 frames \(a code's\)"):
+        CodecTiming.from_dict({"pad_frames": 162})  # a padded call would end inside a code
+    assert CodecTiming.from_dict({"pad_frames": 160}).pad_frames == 160
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):

@@ -205,10 +205,10 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
             raise SystemExit("benchmark.speech is codec: benchmark.codec must give the decoder's shape")
         t = CodecTiming.from_dict(p["codec"])
         decoder, voice = codec_timing.stream_decoder(t, device)
-        graphs = t.graphs and cuda  # frames padded to multiples of 160: a graph per bucket of them
+        graphs = t.graphs and cuda  # frames padded to multiples of pad_frames: a graph per bucket of them
         held = load_cfg.detokenize_hold * decoder.cfg.chunk * decoder.stride if load_cfg else 0  # a held batch's frames a stream
         batch = CodecBatch(
-            decoder, voice, bucket if cuda else lambda n: n, pad_frames=160 if graphs else 0, graphs=graphs,
+            decoder, voice, bucket if cuda else lambda n: n, pad_frames=t.pad_frames if graphs else 0, graphs=graphs,
             slots=t.slots, max_codes=max(p["num_tokens"], load_cfg.longest_codes if load_cfg else 0), later_frames=held,
             pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN), fp8_pages=t.fp8_pages,
         )  # fmt: skip
@@ -235,6 +235,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
             "slots": t.slots,
             "pool_seconds": t.pool_seconds,
             "fp8_pages": t.fp8_pages,
+            "pad_frames": batch.pad_frames,
             "hift_dtype": t.hift_dtype,
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "

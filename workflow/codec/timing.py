@@ -83,6 +83,7 @@ class CodecTiming:
     pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
     fp8_pages: bool = False  # the slots' keys and values in float8 e4m3 (slots.py): half the memory a second of audio
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
+    pad_frames: int = 320  # serving on CUDA: a call's frames padded to a multiple, a graph per multiple (warm makes each)
     voice: str | None = None  # None: a random voice; a voice file (voice.py), whose codes are prompt_codes (from_dict)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,11 @@ class CodecTiming:
             raise ValueError(
                 f"benchmark.codec.fp8_pages: its scales come from the voice prompt's past, and {self.prompt_codes} codes "
                 f"hold no whole chunk past the lookahead ({chunk} + {cfg.encoder.lookahead} codes): raise prompt_codes"
+            )
+        stride = cfg.encoder.stride
+        if self.pad_frames <= 0 or self.pad_frames % stride:
+            raise ValueError(
+                f"benchmark.codec.pad_frames: {self.pad_frames} is not a positive multiple of {stride} frames (a code's)"
             )
         if self.later_codes % chunk:
             raise ValueError(f"benchmark.codec.later_codes: {self.later_codes} is not a multiple of the chunk ({chunk} codes)")
