@@ -3,10 +3,10 @@
 # and FP8 on GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in four calls
 # of under 10 minutes, run from the repository root with .whl carried:
 #
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert | the GEMV's and flow slots' CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 build, verify | FP8 calibrate
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify, the rest of the codec's CUDA tests
-#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | GPU 0 free (a probe on bf16's engine)
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 3   # bf16 benchmark | FP8 build, verify, the codec's CUDA tests
+#   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 4   # FP8 benchmark | the GEMV's and flow slots' CUDA tests
 #
 # A serving A/B session (probe_lanes.py's arms, e.g. PROBE_ARMS=pace) builds engines only, then probes; a
 # probe's first arm makes its graphs ahead (185-232 s on an H200), then ~20-40 s a level, so a probe starts
@@ -35,8 +35,11 @@
 # call's MOSSBUILD_STAGE_S; its lines are in $OUT/probe-<precision>.log, its levels in $OUT/probe-<precision>.json.
 #
 # On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (its flow slots and pages do not fit an H100's
-# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=575 before call 3 and, before call 4, what the
-# session's device time has left (FP8's search to 128 users takes ~420 s).
+# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=585 before call 3 (bf16's benchmark took 508 s in
+# H200 run 17; its prepare has since grown with 40 streams and compiled admissions and shrunk with pad_frames
+# 320: ~550 s estimated) and, before call 4, what the session's device time has left (FP8's search to 128
+# users takes ~420 s). The CUDA tests run in calls 3 and 4 beside the other precision's benchmark, never in a
+# call of their own: in call 1 beside download and convert (~115 s) they held the machine ~140 s longer.
 #
 # Why two GPUs: the session's device time counts the machine's held time, not its GPUs, and one after the
 # other the two precisions hold a machine ~2,500 s, more than a session has; side by side they hold it
@@ -48,10 +51,9 @@
 # last returns; a call whose earlier calls' outputs are missing stops at once (`needs`). Each side's output
 # is in $OUT/gpu<i>-<precision>[-<rule>].log; the archives are gpu_pipeline.sh's.
 set -euo pipefail
-# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the GEMV's and
-# the flow slots' first, beside convert (the builds that follow tune the GEMV; serving's benchmark leans on
-# the slots' pools and graphs), the rest of the codec's and the graphs' priorities and pools after FP8's verify
-# in call 3 (bf16's benchmark takes longer), so that call 4 leaves GPU 0 and its cores to a probe
+# the tests written for CUDA (the rest of test_gemv.py runs Triton's CPU interpreter: CI's): the codec's and
+# the graphs' priorities and pools after FP8's verify in call 3 (bf16's benchmark takes longer), the GEMV's and
+# the flow slots' beside FP8's benchmark in call 4, each cut at its call's stage
 FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
              tests/test_quant.py tests/test_codec_slots.py tests/test_codec_batch.py)
 CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
@@ -100,10 +102,10 @@ esac
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
 case $step,$gpus in
-    1,*) tests 1 first-tests.log "${FIRST_TESTS[@]}" & MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert; wait ;;
+    1,*) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert ;;
     2,*) both "bf16 verify" "fp8 calibrate" ;;
     3,*) side 0 bf16 & { side 1 fp8 verify; tests 1 cuda-tests.log "${CODEC_TESTS[@]}"; } & wait ;;
-    4,*) side 1 fp8 ;;
+    4,*) side 1 fp8 & limit=$(( deadline - SECONDS )) tests 0 first-tests.log "${FIRST_TESTS[@]}" & wait ;;
     p1,1) if [ "$one" = fp8 ]; then side 0 fp8 calibrate; else side 0 bf16 build; fi ;;
     p2,1) if [ "$one" = fp8 ]; then side 0 fp8 build; fi; probe 0 "$one" "$(levels "$one")"; spare_tests ;;
     p3,1) probe 0 "$one" "$(levels "$one")" ;;
