@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from workflow.codec.timing import CodecTiming, measure
+from workflow.codec.settings import CodecTiming
+from workflow.codec.timing import measure
 
 ARMS: dict[str, dict] = {"as configured": {}} | json.loads(os.environ.get("CODEC_ARMS", "{}"))
 

@@ -17,7 +17,7 @@ from workflow.codec import checkpoint
 from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.estimator import PREFIX
-from workflow.codec.timing import CodecTiming, decoders
+from workflow.codec.settings import CodecTiming, decoders
 from workflow.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

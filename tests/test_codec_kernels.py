@@ -219,7 +219,7 @@ def test_hifts_convolutions_in_float16_round_their_inputs_and_outputs_only(monke
         return rnd(conv(m, rnd(x), bias=bias)) if m in network else conv(m, x, bias=bias)
 
     half = copy.deepcopy(hift)
-    half.fuse()  # as CodecDecoder does, before `convs_to` (timing.decoders)
+    half.fuse()  # as CodecDecoder does, before `convs_to` (settings.decoders)
     half.convs_to(torch.float16)
     for name, m in half.named_modules():
         if isinstance(m, convs):

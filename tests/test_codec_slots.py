@@ -66,6 +66,29 @@ def test_streams_in_slots_give_what_each_gives_alone(decoder, voice):
         batch.release()
 
 
+def test_unguided_streams_of_other_steps_in_slots_give_what_each_gives_alone(decoder, voice):
+    """`benchmark.codec.cfg_rate` 0 and `ode_steps` 3 (settings.CodecTiming.config): the slots keep one half of
+    the rows a step (no unconditional one) and a past per step; each stream's PCM is its own alone with that
+    solver, whole, and not what the guided decoder gives."""
+    from workflow.codec.settings import CodecTiming
+
+    cfg = CodecTiming(cfg_rate=0.0, ode_steps=3).config()
+    assert (cfg.solver.steps, cfg.solver.cfg_rate) == (3, 0.0) and cfg.encoder == decoder.cfg.encoder
+    unguided = CodecDecoder(cfg).eval()
+    unguided.load_state_dict(decoder.state_dict())
+    g = torch.Generator().manual_seed(6)
+    lengths, joins = {1: 17, 2: 12, 3: 21}, {1: 0, 2: 1, 3: 2}
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    batch = CodecBatch(unguided, voice, bucket=lambda n: n + 1, pad_frames=16, slots=3, max_codes=40)
+    got = in_steps(batch, codes, joins)
+    assert batch.slots.halves == 1 and len(batch.slots.kv) == 3
+    assert batch.slots.nbytes() == FlowSlots.size(unguided, 3, batch.slot_frames) < FlowSlots.size(decoder, 3, batch.slot_frames)
+    for k in lengths:
+        own = alone(unguided, voice, k, codes[k], 5)
+        assert (got[k] - own).abs().max() <= ATOL_PCM, k
+        assert (own - alone(decoder, voice, k, codes[k], 5)).abs().max() > 100 * ATOL_PCM  # another solver, another PCM
+
+
 def test_streams_past_the_slots_re_run_every_frame_beside_the_slotted_ones(decoder, voice):
     """Three streams on one slot (serving opens no more streams than slots, but a stream that outgrows
     its slot, or a caller of the batch, meets this): the first holds the slot, the others re-run every

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from workflow.benchmark import SCHEMA
+from workflow.codec.settings import CodecTiming, decoders, voice_of
 from workflow.codec.solver import solve
-from workflow.codec.timing import CodecTiming, Runner, SlotRunner, decoders, measure, voice_of
+from workflow.codec.timing import Runner, SlotRunner, measure
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,6 +111,12 @@ def test_codec_settings_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"pad_frames: 162 is not a positive multiple of 4 frames \(a code's\)"):
         CodecTiming.from_dict({"pad_frames": 162})  # a padded call would end inside a code
     assert CodecTiming.from_dict({"pad_frames": 160}).pad_frames == 160
+    with pytest.raises(ValueError, match="ode_steps: 0 is under 1"):
+        CodecTiming.from_dict({"ode_steps": 0})
+    with pytest.raises(ValueError, match=r"cfg_rate: -0\.1 is negative"):
+        CodecTiming.from_dict({"cfg_rate": -0.1})
+    tiny = CodecTiming.from_dict({}).config().solver  # unset: the preset's (tiny: 2 steps; full: MOSS-Speech's 10, 0.7)
+    assert (tiny.steps, tiny.cfg_rate) == (2, 0.7) and CodecTiming.from_dict({"preset": "full"}).config().solver.steps == 10
 
 
 def test_each_runner_and_its_graphs_are_gone_before_the_next(monkeypatch):
@@ -151,7 +158,7 @@ def test_float16_hift_is_refused_where_it_moves_the_voice_prompts_pcm_too_far():
     """`hift_dtype: float16` is checked on the voice prompt as the decoder is made: the tiny decoder's passes
     (~70 dB from float32's), and with activations past fp16's range (conv_pre's weights x 1e4) the same
     check refuses it in one line that names the weights and says what to set."""
-    from workflow.codec.timing import HIFT_LEAST_DB, check_hift, stream_decoder
+    from workflow.codec.settings import HIFT_LEAST_DB, check_hift, stream_decoder
     from workflow.errors import InputError
 
     t = CodecTiming(hift_dtype="float16")

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from workflow.codec import voice
 from workflow.codec.decoder import CodecDecoder
-from workflow.codec.timing import CodecTiming, stream_decoder
+from workflow.codec.settings import CodecTiming, stream_decoder
 from workflow.errors import InputError
 
 

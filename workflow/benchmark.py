@@ -30,8 +30,8 @@ from workflow import artifacts, report, roofline, traffic
 from workflow.codec import timing as codec_timing
 from workflow.codec.batch import CodecBatch, CodecSpeech
 from workflow.codec.lanes import CodecLanes
+from workflow.codec.settings import CodecTiming, stream_decoder
 from workflow.codec.slots import FlowSlots
-from workflow.codec.timing import CodecTiming
 from workflow.detokenize import Batched, Lanes, Speech, StandIn, overlaps
 from workflow.engines import check_built_from, load_engine
 from workflow.engines.base import Engine
@@ -204,7 +204,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
         if not p.get("codec"):
             raise SystemExit("benchmark.speech is codec: benchmark.codec must give the decoder's shape")
         t = CodecTiming.from_dict(p["codec"])
-        decoder, voice = codec_timing.stream_decoder(t, device)
+        decoder, voice = stream_decoder(t, device)
         graphs = t.graphs and cuda  # frames padded to multiples of pad_frames: a graph per bucket of them
         held = load_cfg.detokenize_hold * decoder.cfg.chunk * decoder.stride if load_cfg else 0  # a held batch's frames a stream
         batch = CodecBatch(
@@ -236,6 +236,8 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
             "pool_seconds": t.pool_seconds,
             "fp8_pages": t.fp8_pages,
             "pad_frames": batch.pad_frames,
+            "ode_steps": decoder.cfg.solver.steps,
+            "cfg_rate": decoder.cfg.solver.cfg_rate,
             "hift_dtype": t.hift_dtype,
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "

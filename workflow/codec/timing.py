@@ -36,92 +36,22 @@ time to first audio with the real decoder, the stream's host bookkeeping (stream
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 
 import torch
 
 from workflow import roofline
-from workflow.codec import checkpoint
-from workflow.codec import voice as voice_file
-from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
+from workflow.codec.settings import CodecTiming, check_hift, decoders, voice_of
 from workflow.codec.slots import FlowSlots
 from workflow.codec.solver import solve
 from workflow.codec.stream import MEL_CACHE, first_hop
 from workflow.cudagraphs import Graphs
-from workflow.errors import InputError
 from workflow.report import percentiles
-
-PRESETS = {"tiny": CodecConfig.tiny, "full": CodecConfig}
-HIFT_LEAST_DB = 50.0  # float16 HiFT's PCM of the voice prompt at least this close to float32's (60.7 dB at the true shape)
-CACHE = Path("results/.hub-cache")  # where hf: weights are fetched, as the download rule does
-
-
-@dataclass(frozen=True)
-class CodecTiming:
-    preset: str = "tiny"  # tiny | full (the true shape)
-    dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow)
-    hift_dtype: str = "float32"  # ours: float32 | float16 (HiFT's convolutions, hift.HiFT.convs_to)
-    prompt_codes: int = 10  # the voice prompt's codes (5k + 1 or 5k + 2: a shorter first hop, stream.first_hop)
-    later_codes: int = 20  # where the later call falls: codes of the reply past the first hop (a multiple of the chunk)
-    batches: tuple[int, ...] = (1, 2)
-    repeat: int = 3
-    baseline: bool = True  # also time the official structure (float32, eager, batch 1)
-    flow_cache: bool = True  # also time ours with the flow cache (the new frames only, each call)
-    weights: str | None = None  # None: random; local:<dir> or hf:<repo>@<rev>: the codec's checkpoint (checkpoint.py)
-    seed: int = 0
-    graphs: bool = True  # CUDA only
-    compile: bool = True  # CUDA only: ours with the estimator's blocks through torch.compile (fast.py)
-    kernels: bool = True  # CUDA only: the flow slots' transformer blocks as Triton kernels (kernels.py)
-    slots: int = 0  # serving: streams whose flow pasts stay in fixed buffers (slots.py), each call solving new frames only
-    pool_seconds: float = 0.0  # serving: the audio the slots' pages hold in all (0: every slot its longest reply)
-    fp8_pages: bool = False  # the slots' keys and values in float8 e4m3 (slots.py): half the memory a second of audio
-    held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
-    pad_frames: int = 320  # serving on CUDA: a call's frames padded to a multiple, a graph per multiple (warm makes each)
-    voice: str | None = None  # None: a random voice; a voice file (voice.py), whose codes are prompt_codes (from_dict)
-
-    def __post_init__(self) -> None:
-        """The settings checked wherever they come from (`from_dict`, or `dataclasses.replace`)."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"benchmark.codec.preset: '{self.preset}' is not one of {', '.join(PRESETS)}")
-        cfg = PRESETS[self.preset]()
-        chunk = cfg.chunk
-        if self.hift_dtype not in ("float32", "float16"):
-            raise ValueError(f"benchmark.codec.hift_dtype: '{self.hift_dtype}' is not one of float32, float16")
-        if self.fp8_pages and not self.slots:
-            raise ValueError("benchmark.codec.fp8_pages: it stores the flow slots' pages, and benchmark.codec.slots is 0")
-        if self.fp8_pages and not cfg.past_frames(self.prompt_codes):  # FlowSlots' scales: the prompt's past
-            raise ValueError(
-                f"benchmark.codec.fp8_pages: its scales come from the voice prompt's past, and {self.prompt_codes} codes "
-                f"hold no whole chunk past the lookahead ({chunk} + {cfg.encoder.lookahead} codes): raise prompt_codes"
-            )
-        stride = cfg.encoder.stride
-        if self.pad_frames <= 0 or self.pad_frames % stride:
-            raise ValueError(
-                f"benchmark.codec.pad_frames: {self.pad_frames} is not a positive multiple of {stride} frames (a code's)"
-            )
-        if self.later_codes % chunk:
-            raise ValueError(f"benchmark.codec.later_codes: {self.later_codes} is not a multiple of the chunk ({chunk} codes)")
-        if self.slots and self.held * chunk > self.later_codes:  # the held call's chunks end where the later call does
-            raise ValueError(
-                f"benchmark.codec.later_codes: {self.later_codes} codes hold fewer than the {self.held} chunks "
-                f"({self.held * chunk} codes) that load.detokenize_hold holds: raise it to {self.held * chunk} or more"
-            )
-
-    @classmethod
-    def from_dict(cls, d: dict) -> CodecTiming:
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"benchmark.codec: unknown key(s) {', '.join(unknown)}")
-        if d.get("voice"):  # the voice file's codes are the prompt's
-            d = d | {"prompt_codes": voice_file.codes_in(d["voice"])}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 class Runner:
@@ -264,52 +194,6 @@ class SlotRunner(Runner):
         return self.slots.nbytes()
 
 
-def decoders(t: CodecTiming, device: torch.device, cache_dir: Path = CACHE) -> tuple[CodecDecoder, CodecDecoder | None]:
-    """Ours (t.dtype, the estimator's fast pass; HiFT's convolutions t.hift_dtype) and the baseline (float32, the estimator's
-    official forward), one set of weights: the checkpoint's, checked against the preset's shape, or random."""
-    torch.manual_seed(t.seed)
-    cfg = PRESETS[t.preset]()
-    base = (checkpoint.load(checkpoint.fetch(t.weights, cache_dir), cfg) if t.weights else CodecDecoder(cfg)).eval().to(device)
-    base.noise.buffer = base.noise.buffer.to(device)  # read inside the solve's graph: no host copy there
-    base.official = True
-    cuda = device.type == "cuda"
-    ours = CodecDecoder(base.cfg, compiled=t.compile and cuda, kernels=t.kernels and cuda).eval().to(device)
-    ours.load_state_dict(base.state_dict())
-    dtype = getattr(torch, t.dtype)
-    ours.flow.to(dtype)
-    ours.estimator.to(dtype)
-    ours.hift.convs_to(getattr(torch, t.hift_dtype))
-    ours.noise.buffer = base.noise.buffer
-    return ours, (base if t.baseline else None)
-
-
-def stream_decoder(t: CodecTiming, device: torch.device) -> tuple[CodecDecoder, VoicePrompt]:
-    """Ours, as `decoders` makes it, and `voice_of` it."""
-    ours, _ = decoders(dataclasses.replace(t, baseline=False), device)
-    voice = voice_of(t, ours)
-    check_hift(t, ours, voice)
-    return ours, voice
-
-
-def check_hift(t: CodecTiming, dec: CodecDecoder, voice: VoicePrompt) -> None:
-    """HiFT's convolutions in float16 (`hift_dtype`) refused in one line where they move its PCM of the voice
-    prompt's mel less than HIFT_LEAST_DB from float32's: these weights then need float32."""
-    if t.hift_dtype != "float32" and not (snr := dec.hift.snr_to_float32(voice.mel)) >= HIFT_LEAST_DB:
-        problem = f"HiFT's PCM of the voice prompt {snr:.1f} dB from float32's, under {HIFT_LEAST_DB:g}: set float32"
-        raise InputError(t.weights or "random weights", f"benchmark.codec.hift_dtype {t.hift_dtype} moves {problem}")
-
-
-def voice_of(t: CodecTiming, dec: CodecDecoder) -> VoicePrompt:
-    """The voice file's (`voice`), or a voice of `prompt_codes` random codes, log-mel and x-vector."""
-    if t.voice:
-        return voice_file.load(t.voice, dec.cfg)
-    cfg, g = dec.cfg.encoder, torch.Generator().manual_seed(t.seed)
-    codes = torch.randint(0, min(cfg.vocab_size, voice_file.AUDIO_CODES), (t.prompt_codes,), generator=g)
-    return VoicePrompt(
-        codes, torch.randn(cfg.mel, t.prompt_codes * cfg.stride, generator=g), torch.randn(cfg.spk_dim, generator=g)
-    )
-
-
 def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], object] | None = None) -> dict:
     """The codec section: parameters, each stage's ms per call position, variant and batch, and
     (first_codes given: it runs the engine to a stream's first k codes) time to first audio, the
@@ -370,6 +254,7 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
         "compiled": ours.compiled,  # whether ours ran its estimator's blocks compiled
         "kernels": ours.kernels,  # whether the slots' transformer blocks ran as Triton kernels and ours' HiFT fused (HiFT.fuse)
         "steps": cfg.solver.steps,
+        "cfg_rate": cfg.solver.cfg_rate,
         "first_codes": hop0 + la,
         "calls": rows,
     }
