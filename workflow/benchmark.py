@@ -242,7 +242,8 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
             "slots_bytes": slot_bytes,
             "mel_stage": f"MOSS-Speech's codec decoder (workflow/codec, preset {t.preset}, {t.weights or 'random'} weights, "
             f"{'the voice of ' + t.voice if t.voice else 'a random voice'}, {t.dtype}; "
-            f"HiFT's convolutions in {t.hift_dtype}, a {decoder.cfg.solver.steps}-step ODE): {cached}; "
+            f"HiFT's convolutions in {t.hift_dtype}, a {decoder.cfg.solver.steps}-step ODE, "
+            f"guidance {decoder.cfg.solver.cfg_rate:g}): {cached}; "
             f"the estimator's fast pass{' (its blocks compiled)' if decoder.compiled else ''}"
             + (", the slots' transformer blocks as Triton kernels" if decoder.kernels and t.slots else "")
             + (", HiFT's network channels-last, its Snakes and the sums around them in Triton kernels" if decoder.kernels else "")
