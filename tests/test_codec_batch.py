@@ -218,6 +218,31 @@ def test_a_last_call_replays_what_warm_made_for_its_shape_and_runs_eager_where_i
         assert (torch.cat(pcm[k]) - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 
 
+@pytest.mark.parametrize("pad_frames", [16, 40])
+def test_warm_makes_every_flow_shape_that_streams_to_the_longest_reply_meet(decoder, voice, monkeypatch, pad_frames):
+    """`benchmark.codec.pad_frames` sets how many flow shapes there are: a call's frames padded to a multiple
+    of it. `CodecLanes.warm` makes the flow at every multiple a reply of up to `max_codes` codes reaches, at
+    each of `frames_a_call` (graphs stood in for on the CPU), so streams of 8 to 30 codes, in slots, joining at
+    different steps, meet no flow shape it did not make. Each stream's PCM is its own alone."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Lane", (), {"priority": -1})())
+    batch = CodecBatch(decoder, voice, bucket=lambda n: 1 << (n - 1).bit_length(), pad_frames=pad_frames, slots=4, max_codes=30)
+    batch.graphs = graphs = GraphCalls()  # type: ignore[assignment]
+    CodecLanes(batch, torch.device("cpu"), time.perf_counter).warm(4, 5, 30)
+    made = {k for k in graphs.keys if k[0] == "slots"}
+    q, ends = pad_frames // 4, sorted({k[1][1] for k in made})  # the padded lengths made, in codes
+    assert ends == list(range(ends[0], ends[-1] + q, q)) and ends[0] % q == 0 and ends[-1] >= len(batch.prompt) + 30
+    assert len(made) == len(ends) * len(batch.frames_a_call) * 3  # each multiple, each solve, rows 1, 2 and 4
+    graphs.keys.clear()
+    g = torch.Generator().manual_seed(8)
+    lengths, joins = {1: 30, 2: 8, 3: 23, 4: 17}, {1: 0, 2: 1, 3: 2, 4: 4}
+    codes = {k: torch.randint(0, 1000, (n,), generator=g) for k, n in lengths.items()}
+    got = in_steps(batch, codes, joins)
+    met = {k for k in graphs.keys if k[0] == "slots"}
+    assert met and met <= made, met - made
+    for k in lengths:
+        assert (got[k] - alone(decoder, voice, k, codes[k], 5)).abs().max() <= ATOL_PCM, k
+
+
 def test_streams_ending_at_once_take_one_flow_pass_and_hift_passes_of_the_rows_warm_made(decoder, voice, monkeypatch):
     """Five streams end in one batch where `CodecLanes.warm` made last calls' HiFT passes for up to two rows:
     their last flow calls are one pass, the graph warm made for any call of that frame bucket (their context

@@ -23,6 +23,9 @@ CACHE = Path("results/.hub-cache")  # where hf: weights are fetched, as the down
 
 @dataclass(frozen=True)
 class CodecTiming:
+    """`benchmark.codec`, checked as it is made: the decoder's shape, dtypes and solver, what the benchmark's
+    codec section times, and serving's flow slots, pages and padding."""
+
     preset: str = "tiny"  # tiny | full (the true shape)
     dtype: str = "float32"  # ours: float32 | bfloat16 (the front end and the flow)
     hift_dtype: str = "float32"  # ours: float32 | float16 (HiFT's convolutions, hift.HiFT.convs_to)
