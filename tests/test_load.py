@@ -13,6 +13,7 @@ import torch
 from workflow import load_report, traffic
 from workflow.cudagraphs import Graphs
 from workflow.engines import load_engine
+from workflow.engines.slots import slot_memory
 from workflow.generate import Ids, Sampling
 from workflow.serve import alone, figures, load
 from workflow.serve.request import Request, ServeConfig, pcm_rate
@@ -205,7 +206,7 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     assert out["streams_at_slo"] == max(ok, default=0) and out["ttfa_slo_ms"] == 200
     t = out["timeline"]
     assert t["level"] == 3 and 0 <= t["admitted"] <= t["chunk_ready"][0]
-    assert load.slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
+    assert slot_memory(engine, False)["kv_bytes_per_slot"] == sum(c[0].numel() for c in engine.caches()) * 4
     made = out["prepared"]  # the CPU engine has no graphs to make, and the device no memory to count
     assert made["engine_graphs"] == made["detokenizer_batches"] == made["reserved_bytes"] == 0
     assert 0 <= made["admission_seconds"] <= made["engine_seconds"] <= made["seconds"]  # the engine's graphs' part of it
@@ -244,6 +245,10 @@ def test_the_load_benchmark_runs_and_answers(tiny_engine_dir):
     for most, capped in ((out["streams_at_slo"], True), (out["streams_at_slo"] + 4, False)):  # a search stopped at its most
         searched = out | {"memory": memory, "config": out["config"] | {"search_step": 4, "search_max": most}}
         assert ("the most the search offers" in "\n".join(load_report.load_markdown(searched))) == capped
+    stopped = out | {"memory": memory, "config": out["config"] | {"search_step": 4}}
+    stopped["search_stopped"] = {"next": 48, "at_s": 531.4, "level_s": 16.2}  # as load.search_until_s stops it
+    assert load_report.lower_bound(stopped) and not load_report.lower_bound(stopped | {"search_stopped": None})
+    assert "the search stopped 531 s into the benchmark, before 48 users" in "\n".join(load_report.load_markdown(stopped))
     calls = {
         "detokenize": {"per_s": 5.5, "streams": 2.5, "chunks": 12.0},
         "detokenize first": {"per_s": 2.0, "streams": 1.0, "chunks": 1.0},
@@ -416,6 +421,28 @@ def test_the_load_benchmark_searches_past_its_levels(monkeypatch):
     # a level's traffic is its own: 24 users draw the same arrivals and replies given first or searched
     load.run(None, None, lambda: 0.0, load.LoadConfig(closed=(24,)), Ids.of(PRESETS["tiny"]), 5, Sampling())
     assert drawn[24][0] == drawn[24][1] and drawn[16][0] != drawn[24][0][:16]
+
+
+def test_the_search_stops_before_a_level_that_would_end_past_its_budget(monkeypatch):
+    """load.search_until_s: counted from the benchmark's start (`began`), the search starts a level only where
+    the levels' mean wall time says it would end within it; the answer is what ran, and says where it stopped."""
+    ran, now = [], [0.0]
+
+    def level(engine, detokenize, clock, lv, chunk_tokens, sampling):
+        ran.append(lv.value)
+        now[0] += 16.0  # each level 16 s of the benchmark's clock
+        return {"kind": lv.kind, "value": lv.value, "ttfa_ms": {"p99": 150.0 if lv.value <= 21 else 250.0}, "underruns": 0,
+                "failed": 0, "tokens_per_s": 1.0, "busy_fraction": 0.5, "wall_s": 16.0}, []  # fmt: skip
+
+    monkeypatch.setattr(load, "run_level", level)
+    monkeypatch.setattr(load, "prepare", lambda *a: {})
+    cfg = load.LoadConfig(closed=(4, 8), search_step=4, search_max=64, search_until_s=60.0)
+    out = load.run(None, None, lambda: now[0], cfg, Ids.of(PRESETS["tiny"]), 5, Sampling(), began=-10.0)
+    assert ran == [4, 8, 16] and out["streams_at_slo"] == 16  # 16 ends at 58 s; 32 would end at 74
+    assert out["search_stopped"] == {"next": 32, "at_s": 58.0, "level_s": 16.0}
+    ran.clear()
+    out = load.run(None, None, lambda: now[0], cfg, Ids.of(PRESETS["tiny"]), 5, Sampling())  # no start given: no budget
+    assert ran == [4, 8, 16, 32, 24, 20] and out["search_stopped"] is None
 
 
 def test_prepare_freezes_what_exists_out_of_the_garbage_collectors_walks():

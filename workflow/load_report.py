@@ -51,10 +51,21 @@ def parts_cell(parts: dict | None) -> str:
     return " / ".join(f"{v:.0f}" for v in parts.values()) if parts else "-"
 
 
-def capped(load: dict) -> bool:
-    """Whether the answer is the search's most (`load.search_max`), so a lower bound."""
+def lower_bound(load: dict) -> bool:
+    """Whether more streams may hold than the answer: it is the search's most (`load.search_max`), or the search
+    stopped before its next level for `load.search_until_s`."""
     c = load["config"]
-    return bool(c.get("search_step")) and load["streams_at_slo"] == c.get("search_max")
+    return bool(c.get("search_step")) and (load["streams_at_slo"] == c.get("search_max") or bool(load.get("search_stopped")))
+
+
+def _answer_bound(load: dict) -> str:
+    """What the answer's line says when it is a lower bound."""
+    if stop := load.get("search_stopped"):
+        return (
+            f"(the search stopped {stop['at_s']:.0f} s into the benchmark, before {stop['next']} users, whose level "
+            f"would have ended past `load.search_until_s`: more may hold) "
+        )
+    return "(the most the search offers, `load.search_max`: more may hold) " if lower_bound(load) else ""
 
 
 def load_markdown(load: dict) -> list[str]:
@@ -65,7 +76,7 @@ def load_markdown(load: dict) -> list[str]:
         f"## Under load: streams per GPU at TTFA p99 <= {load['ttfa_slo_ms']:g} ms",
         "",
         f"**{load['streams_at_slo']} streams** held TTFA p99 <= {load['ttfa_slo_ms']:g} ms with no underrun "
-        + ("(the most the search offers, `load.search_max`: more may hold) " if capped(load) else "")
+        + _answer_bound(load)
         + "(closed loop: each user hears one reply at a time and asks again when it has played). Replies "
         f"{c['reply_seconds'][0]:g}-{c['reply_seconds'][1]:g} s of audio, prompts {c['prompt_len']} tokens, "
         f"{c['duration_s']:g} s of arrivals per level, {mem['slots']} engine slots of "

@@ -14,6 +14,12 @@ answers a ValueError in one line.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from workflow.engines.base import Engine
 
 
 class Slots:
@@ -105,3 +111,22 @@ def batch_bucket(n: int, max_batch: int) -> int:
     power of two or 1.5 times one (so at most a third are padding), at most max_batch."""
     p = 1 << (n - 1).bit_length()
     return min(max_batch, p * 3 // 4 if n <= p * 3 // 4 and p >= 4 else p)
+
+
+def slot_memory(engine: Engine, defer_text_fill: bool) -> dict:
+    """KV bytes a slot holds at max_seq_len (every layer's K and V, and with defer_text_fill the
+    trunk outputs held for the text branch), and how many slots fit in the device's memory
+    beside the weights (CUDA: 90 % of it, the rest left to activations and graphs)."""
+    spec, caches = engine.spec, getattr(engine, "caches", list)()
+    itemsize = caches[0].element_size() if caches else 2
+    per_token = spec.num_layers * 2 * spec.num_key_value_heads * spec.head_dim * itemsize
+    per_token += spec.hidden_size * itemsize if defer_text_fill else 0
+    slot = per_token * engine.max_seq_len
+    out = {"kv_bytes_per_slot": slot, "max_seq_len": engine.max_seq_len, "slots": engine.max_batch}
+    if engine.device.type == "cuda" and caches:
+        total = torch.cuda.get_device_properties(engine.device).total_memory
+        held = getattr(engine, "held", None)
+        cache_bytes = sum(c.numel() for c in caches) * itemsize + (held.numel() * held.element_size() if held is not None else 0)
+        weights = torch.cuda.memory_allocated(engine.device) - cache_bytes
+        out |= {"weights_bytes": weights, "slots_fit": int((0.9 * total - weights) // slot)}
+    return out

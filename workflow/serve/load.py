@@ -75,6 +75,7 @@ class LoadConfig:
     seed: int = 9101
     search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
     search_max: int = 256  # the most users the search offers
+    search_until_s: float = 0.0  # > 0: no searched level that would end past this many seconds of the benchmark's run
 
     @property
     def longest_codes(self) -> int:
@@ -104,6 +105,15 @@ class LoadConfig:
 def holds(level: dict, slo_ms: float) -> bool:
     """A level at the SLO: TTFA p99 within it, no underrun, no failed stream."""
     return level["ttfa_ms"]["p99"] <= slo_ms and not level["underruns"] and not level["failed"]
+
+
+def past_budget(cfg: LoadConfig, levels: list[dict], at_s: float, n: int) -> dict | None:
+    """Where the search stops for `search_until_s`: `at_s` into the benchmark, the level of n users would end
+    past it (a level taking the levels so far's mean wall time); None: it runs (or no budget is set)."""
+    if not cfg.search_until_s:
+        return None
+    level_s = sum(lv["wall_s"] for lv in levels) / len(levels) if levels else cfg.duration_s
+    return {"next": n, "at_s": at_s, "level_s": level_s} if at_s + level_s > cfg.search_until_s else None
 
 
 def next_search_level(held: dict[int, bool], step: int, most: int) -> int | None:
@@ -325,21 +335,23 @@ def run(
     ids: Ids,
     chunk_tokens: int,
     sampling: Sampling,
+    began: float | None = None,
 ) -> dict:
-    """Every level, one after another; the answer and one stream's timeline. What `prepare` froze out of
-    the garbage collector's walks is unfrozen as it ends."""
+    """Every level, one after another; the answer and one stream's timeline. `began`: the benchmark's start on
+    `clock`, which `search_until_s` counts from. What `prepare` froze out of the garbage collector's walks is
+    unfrozen as it ends."""
     try:
-        return _levels(engine, detokenize, clock, cfg, ids, chunk_tokens, sampling)
+        return _levels(engine, detokenize, clock, cfg, ids, chunk_tokens, sampling, began)
     finally:
         gc.unfreeze()
 
 
 def _levels(
     engine: Engine, detokenize: Detokenize | None, clock: Callable[[], float], cfg: LoadConfig, ids: Ids,
-    chunk_tokens: int, sampling: Sampling,
+    chunk_tokens: int, sampling: Sampling, began: float | None,
 ) -> dict:  # fmt: skip
     levels, example, priced = [], None, []
-    made, sets = prepare(engine, detokenize, cfg, chunk_tokens), alone.graph_sets(engine, detokenize)
+    made, sets, stopped = prepare(engine, detokenize, cfg, chunk_tokens), alone.graph_sets(engine, detokenize), None
     if cfg.warmup_s and cfg.closed:
         warm = LoadConfig(**(cfg.__dict__ | {"duration_s": cfg.warmup_s}))
         level = Level(warm, "closed", max(cfg.closed), ids, torch.Generator().manual_seed(cfg.seed - 1))
@@ -370,6 +382,8 @@ def _levels(
             one(kind, value)
     held = {lv["value"]: holds(lv, cfg.ttfa_slo_ms) for lv in levels if lv["kind"] == "closed"}
     while cfg.search_step and (n := next_search_level(held, cfg.search_step, cfg.search_max)) is not None:
+        if began is not None and (stopped := past_budget(cfg, levels, clock() - began, n)):
+            break
         held[n] = holds(one("closed", n, searched=True), cfg.ttfa_slo_ms)
     ok = [n for n, yes in held.items() if yes]
     if sets:  # every stream has ended: replaying a graph alone writes only free slots and pages
@@ -379,26 +393,8 @@ def _levels(
         "levels": levels,
         "ttfa_slo_ms": cfg.ttfa_slo_ms,
         "streams_at_slo": max(ok, default=0),
+        "search_stopped": stopped,
         "timeline": example,
         "prepared": made,
         "lane_priorities": getattr(detokenize, "priorities", {}),  # the detokenizer's lanes' (CUDA; lower is higher)
     }
-
-
-def slot_memory(engine: Engine, defer_text_fill: bool) -> dict:
-    """KV bytes a slot holds at max_seq_len (every layer's K and V, and with defer_text_fill the
-    trunk outputs held for the text branch), and how many slots fit in the device's memory
-    beside the weights (CUDA: 90 % of it, the rest left to activations and graphs)."""
-    spec, caches = engine.spec, getattr(engine, "caches", list)()
-    itemsize = caches[0].element_size() if caches else 2
-    per_token = spec.num_layers * 2 * spec.num_key_value_heads * spec.head_dim * itemsize
-    per_token += spec.hidden_size * itemsize if defer_text_fill else 0
-    slot = per_token * engine.max_seq_len
-    out = {"kv_bytes_per_slot": slot, "max_seq_len": engine.max_seq_len, "slots": engine.max_batch}
-    if engine.device.type == "cuda" and caches:
-        total = torch.cuda.get_device_properties(engine.device).total_memory
-        held = getattr(engine, "held", None)
-        cache_bytes = sum(c.numel() for c in caches) * itemsize + (held.numel() * held.element_size() if held is not None else 0)
-        weights = torch.cuda.memory_allocated(engine.device) - cache_bytes
-        out |= {"weights_bytes": weights, "slots_fit": int((0.9 * total - weights) // slot)}
-    return out
