@@ -5,7 +5,6 @@ made ahead (`warm`)."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import torch
@@ -14,6 +13,7 @@ from torch import Tensor
 from workflow.codec.batch import CodecBatch
 from workflow.codec.stream import FlowCall
 from workflow.detokenize import Clock, Lanes, Piece
+from workflow.stream import device_clock
 
 
 class CodecLanes(Lanes):
@@ -93,13 +93,13 @@ class CodecLanes(Lanes):
         return calls
 
     def _warm(self, rows: int, codes: int, max_codes: int, few: int) -> int:
-        batch, calls = self.batch, 0
+        batch, calls, now = self.batch, 0, device_clock(self.device)  # warm_s counts work the device has done
         dec, la = batch.decoder, batch.decoder.cfg.encoder.lookahead
         self.warm_s = {}
         for n in sorted({batch.bucket(i) for i in range(1, rows + 1)}):
             took = self.warm_s[n] = {"flow": 0.0, "pieces": 0.0}
             for urgent in (False, True) if n <= few and self.lanes else (False,):
-                t0 = self._now()
+                t0 = now()
                 upto = self.first_codes + codes if urgent else max(max_codes, self.first_codes) + codes
                 if batch.pad_frames:  # the flow at every frame bucket (a last call rides in the same graphs)
                     pad, frames = batch.pad_frames, (len(batch.prompt) + upto) * dec.stride
@@ -109,7 +109,7 @@ class CodecLanes(Lanes):
                             with torch.cuda.stream(self.lanes[urgent]) if self.lanes else contextlib.nullcontext():
                                 batch.mel([call] * n, solve=q)
                             calls += 1
-                t1 = self._now()
+                t1 = now()
                 fc = self.first_codes
                 lasts = codes if n <= few and not urgent and batch.graphs is not None else 1  # last calls to make (the CPU: none)
                 for left in range(lasts):  # a last piece of `left` codes
@@ -118,11 +118,5 @@ class CodecLanes(Lanes):
                         self([Piece(s, torch.zeros(k, dtype=torch.long), done) for s in keys], urgent)[0](True)
                     self([Piece(s, torch.zeros(left, dtype=torch.long), fc + 2 * codes, True) for s in keys], urgent)[0](True)
                     calls += 4
-                took["flow"], took["pieces"] = took["flow"] + t1 - t0, took["pieces"] + self._now() - t1
+                took["flow"], took["pieces"] = took["flow"] + t1 - t0, took["pieces"] + now() - t1
         return calls
-
-    def _now(self) -> float:
-        """The host's clock once the device has done what it was given (CUDA): `warm_s` counts work done."""
-        if self.lanes:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
