@@ -354,6 +354,8 @@ def test_load_config_refuses_the_schedulers_bad_settings_as_it_is_read():
         load.LoadConfig.from_dict({"detokenize_hold": 3, "detokenize_join": 3})
     with pytest.raises(ValueError, match=r"benchmark\.load: first_audio_first needs detokenize_slack_s"):
         load.LoadConfig.from_dict({"first_audio_first": True})
+    with pytest.raises(ValueError, match=r"benchmark\.load: detokenize_least needs detokenize_slack_s"):
+        load.LoadConfig.from_dict({"detokenize_least": 80})
     assert load.LoadConfig.from_dict({"detokenize_hold": 8, "detokenize_join": 4}).detokenize_join == 4
 
 
@@ -362,7 +364,7 @@ def test_every_scheduler_setting_of_the_load_reaches_the_scheduler():
     load's slots are the scheduler's max_streams."""
     given = {
         "prefill_tokens": 512, "when_full": "refuse", "detokenize_batches": 3, "detokenize_hold": 5, "detokenize_slack_s": 0.4,
-        "detokenize_join": 3,
+        "detokenize_join": 3, "detokenize_least": 40,
         "first_audio_first": True, "first_chunks_apart": False, "pace": 2.5, "pace_lead_s": 0.7, "slots": 6,
     }  # fmt: skip
     shared = set(ServeConfig.__dataclass_fields__) & set(load.LoadConfig.__dataclass_fields__)

@@ -264,6 +264,41 @@ def test_a_held_chunk_goes_sooner_when_its_playback_is_near(tiny_engine_dir, sla
         assert late > 0 and [len(d) for d, _ in sent[1:]] == [5, 2]
 
 
+@pytest.mark.parametrize("least", [0, 36])
+def test_a_later_batch_waits_for_least_codes_unless_a_chunk_is_due(tiny_engine_dir, least):
+    """`detokenize_least`: three streams made 8 x faster than they play (a code each 10 ms of the clock,
+    80 ms of audio), every later chunk free to go (hold 1). Without it a later batch goes as chunks are
+    made, a chunk of each stream; with 36, a batch goes only once it takes 36 codes or more, or once a stream's next
+    chunk would play within the 0.3 s of slack. So: fewer, wider batches; every chunk once, in order,
+    and none late."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    now, later = [0.0], []
+
+    def detokenize(pieces, urgent):
+        if not urgent:  # each later batch: its codes, and whether one of its streams was due within the slack
+            due = [now[0] + 0.3 >= reqs[p.stream].playback_start + sum(reqs[p.stream].chunk_samples) / 12.5 for p in pieces]
+            later.append((sum(len(p.codes) for p in pieces), any(due)))
+        return (lambda wait, at=now[0]: at), [len(p.codes) for p in pieces]  # a code's PCM a "sample": 12.5 a second
+
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, detokenize_slack_s=0.3, detokenize_least=least,
+                      sampling=Sampling(greedy=True))  # fmt: skip
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
+    reqs = {i: Request(i, traffic.speech_prompt(1, 20, ids, seed=3 + i)[0], max_steps=60, reply_codes=60) for i in range(3)}
+    for req in reqs.values():
+        sched.submit(req)
+    while not sched.idle():
+        sched.iterate()
+        now[0] += 0.01
+    sched.flush()
+    for req in reqs.values():
+        assert req.error is None and req.stamped and sum(req.chunk_codes) == 60 and figures.underruns(req, 12.5)[0] == 0
+    if least:  # the first went short, due (a stream's second chunk); the flush at the end sends what is left
+        assert later[0] == (12, True) and all(n >= least for n, _ in later[1:-1]) and len(later) <= 6, later
+    else:
+        assert len(later) >= 12 and max(n for n, _ in later) == 12, later  # a chunk of each stream as made
+
+
 @pytest.mark.parametrize("tick", [0.002, 0.004, 0.007])
 def test_every_chunk_goes_once_and_in_order_on_a_clock_that_moves_as_it_is_read(tiny_engine_dir, tick):
     """Whether a held chunk is due within the slack reads the clock, which moves between one chunk's

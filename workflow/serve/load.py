@@ -67,6 +67,7 @@ class LoadConfig:
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (ServeConfig)
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds (ServeConfig)
     detokenize_join: int = 0  # > 0: one with this many waiting goes along with a batch that goes anyway (ServeConfig)
+    detokenize_least: int = 0  # > 0: a later batch goes once it takes this many codes, or one of them is due (ServeConfig)
     first_audio_first: bool = False  # later chunks wait while a stream awaits its first audio, but those due soon (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
     later_below_decode: bool = False  # the detokenizer's later lane one priority below the decode graphs (lane_priorities)

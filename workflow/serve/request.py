@@ -105,6 +105,7 @@ class ServeConfig:
     detokenize_hold: int = 1  # a speaking stream's later chunks go once this many wait (one codec call decodes them)
     detokenize_slack_s: float = 0.0  # > 0: or once the first of them would play within this many seconds
     detokenize_join: int = 0  # > 0: one with this many waiting goes along with a batch of later chunks that goes anyway
+    detokenize_least: int = 0  # > 0: a batch of later chunks goes once it takes this many codes, or one of them is due (slack)
     first_audio_first: bool = False  # speaking streams' later chunks wait while one awaits its first audio (slack: above)
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
     max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
@@ -115,6 +116,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.first_audio_first and not self.detokenize_slack_s:
             raise ValueError("first_audio_first needs detokenize_slack_s > 0: the later chunks it holds go once due within it")
+        if self.detokenize_least and not self.detokenize_slack_s:
+            raise ValueError("detokenize_least needs detokenize_slack_s > 0: the later chunks it holds go once due within it")
         if self.detokenize_join and self.detokenize_join >= self.detokenize_hold:
             raise ValueError(f"detokenize_join {self.detokenize_join} is not under detokenize_hold {self.detokenize_hold}: "
                              "a stream with that many chunks waiting goes on its own")  # fmt: skip

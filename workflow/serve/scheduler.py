@@ -214,18 +214,21 @@ class Scheduler:
         """The chunks of streams that have less than a chunk's audio made at once, on the urgent lane
         (`first_chunks_apart`); every other waiting chunk in one batch, if `due`, but a speaking
         stream's only once `detokenize_hold` of them wait, or `detokenize_join` beside others that go
-        (hold: False sends them all)."""
+        (hold: False sends them all), and with `detokenize_least` only once the batch takes that many codes or
+        one of its streams' chunks is due within the slack."""
         if self.cfg.first_chunks_apart:
             self._send_where(lambda req: sum(req.chunk_samples) < self.chunk_audio, urgent=True)
         if due:
             waiting = Counter(c[0].rid for c in self.outbox)
+            soon = {rid for rid, req in {c[0].rid: c[0] for c in self.outbox}.items() if self._due_soon(req)}  # once a request
             speaking = {r.rid for r in self.streams.values()} if hold else set()
             held = self.cfg.detokenize_hold if not self._first_audio_waits() else None  # None: only those due soon go
             join = self.cfg.detokenize_join if held is not None else 0
             self._send_where(
-                lambda req: req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or self._due_soon(req),
+                lambda req: req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or req.rid in soon,
                 urgent=False,
                 joins=lambda req: 0 < join <= waiting[req.rid],
+                least=self.cfg.detokenize_least if hold and not soon else 0,
             )
 
     def _first_audio_waits(self) -> bool:
@@ -241,10 +244,13 @@ class Scheduler:
         start = req.playback_start
         return (now if start is None else start) + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
 
-    def _send_where(self, goes: Callable[[Request], bool], urgent: bool, joins: Callable[[Request], bool] | None = None) -> None:
-        """The waiting chunks whose request `goes`, and where any go those whose request `joins`, in one batch;
-        the rest wait. Each asked once a request (`goes` may read the clock): its chunks go together, in order,
-        in a later batch as many as one flow call solves (`codes_a_call`, 0: all; more take a second pass)."""
+    def _send_where(
+        self, goes: Callable[[Request], bool], urgent: bool, joins: Callable[[Request], bool] | None = None, least: int = 0
+    ) -> None:
+        """The waiting chunks whose request `goes`, and where any go those whose request `joins`, in one batch
+        of at least `least` codes (else none goes); the rest wait. Each asked once a request: its chunks go
+        together, in order, in a later batch as many as one flow call solves (`codes_a_call`, 0: all; more
+        take a second pass)."""
         reqs = {c[0].rid: c[0] for c in self.outbox}
         going = {rid for rid, req in reqs.items() if goes(req)}
         if going and joins is not None:
@@ -259,6 +265,8 @@ class Scheduler:
                 else:
                     keep.append(c)
                     going.discard(c[0].rid)  # its later chunks wait too, in order
+            if sum(codes.values()) < least:
+                return  # too few codes for a call's cost: they all wait for more, or for one to be due
             self.outbox = keep
             self._batch(go, urgent)
 
