@@ -9,7 +9,7 @@ import torch
 
 from workflow import traffic
 from workflow.engines import load_engine
-from workflow.engines.slots import Slots, batch_bucket
+from workflow.engines.slots import Slots, batch_bucket, step_bucket
 from workflow.generate import Ids, Sampling
 from workflow.hfckpt import load_hf_state
 from workflow.reference import MossSpeechReference, greedy_reference
@@ -147,6 +147,7 @@ def test_slots_bookkeeping_refuses_what_it_cannot_do():
         slots.rows([0])
     assert [batch_bucket(n, 256) for n in (1, 2, 3, 4, 5, 7, 9, 13, 100, 200)] == [1, 2, 3, 4, 6, 8, 12, 16, 128, 256]
     assert batch_bucket(5, 5) == 5
+    assert [step_bucket(n, 40) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 40]
 
 
 def test_faults_under_load_leave_the_other_streams_unchanged(tiny_engine_dir):

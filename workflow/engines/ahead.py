@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workflow.engines.slots import batch_bucket
+from workflow.engines.slots import step_bucket
 
 if TYPE_CHECKING:
     from workflow.engines.torch_engine import TorchEngine
@@ -42,7 +42,7 @@ def capture(
     if engine.defer_text_fill and engine.held is None:
         engine.held = engine.embedding.new_zeros(engine.max_batch, engine.max_seq_len, engine.spec.hidden_size)
     before = len(engine.graphs.graphs)
-    buckets = sorted({batch_bucket(n, engine.max_batch) for n in range(1, min(rows, engine.max_batch) + 1)})
+    buckets = sorted({step_bucket(n, engine.max_batch) for n in range(1, min(rows, engine.max_batch) + 1)})
     spans = sorted({te.kv_bucket(n, engine.max_seq_len) for n in range(shortest + 1, engine.max_seq_len + 1)})
     modes = [(True, False), (False, engine.defer_text_fill)]
     engine.pos.zero_()

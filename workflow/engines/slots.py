@@ -106,6 +106,15 @@ class Slots:
         return moves
 
 
+def step_bucket(n: int, max_batch: int) -> int:
+    """The rows a decode step of n active rows runs (one CUDA graph per bucket): n rounded up to a
+    power of two, at most max_batch. Not `batch_bucket`'s 1.5 x ones: priced alone on an H200, FP8's
+    step cost 5.0 ms at 12 rows and 4.5 at 16, and at 6 and 24 rows no less than at 8 and 32 (bf16
+    the same at 12 and 16, at 6 and 8); fewer buckets are fewer graphs to make ahead
+    (docs/levers.md, "H200 step buckets")."""
+    return min(max_batch, 1 << (n - 1).bit_length())
+
+
 def batch_bucket(n: int, max_batch: int) -> int:
     """The rows a decode step of n active rows runs (one graph per bucket): n rounded up to a
     power of two or 1.5 times one (so at most a third are padding), at most max_batch."""

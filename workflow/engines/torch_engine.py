@@ -44,7 +44,7 @@ from workflow.engines.base import Engine, any_text, merged_ids, to_device
 from workflow.engines.layer import At, Layer, LayerConfig, layer_step
 from workflow.engines.linears import Linear, layer_linears, project
 from workflow.engines.options import EngineOptions
-from workflow.engines.slots import Slots, batch_bucket
+from workflow.engines.slots import Slots, step_bucket
 from workflow.engines.tuning import tune
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
@@ -216,7 +216,7 @@ class TorchEngine(Engine, nn.Module):
         rows = [self.slots.row_of[s] for s in slots]  # 0..k-1 now, in the caller's order
         text_head = any_text(need_text)
         n = len(rows)
-        b = batch_bucket(n, self.max_batch)
+        b = step_bucket(n, self.max_batch)
         kv_len = kv_bucket(max(self.slots.length[:n]) + 1, self.max_seq_len)
         hold = self.defer_text_fill and not text_head
         if not hold:
