@@ -26,16 +26,10 @@ One thread owns the engine. Each `iterate`:
    as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`) to the
    detokenizer, as one batch across streams. It returns at once (on CUDA it runs on a side
    stream, beside decoding) with a `Ready` and the PCM samples each chunk made final. While
-   `detokenize_batches` batches run, new chunks wait and go together later (a batch's cost per
-   chunk falls steeply with its size). `detokenize_hold`: a speaking stream's chunks wait until
-   that many do (one codec flow call decodes them for nearly the cost of one), going sooner within
-   `detokenize_slack_s` of their playback; `detokenize_join`: a stream with that many waiting goes
-   along with a batch that goes anyway; a stream's chunks in a later batch are at most what one
-   flow call solves (`codes_a_call`); `first_audio_first`: they all wait (but those due within the
-   slack) while a speaking stream's first PCM is not ready; `first_chunks_apart`: a stream's
-   chunks go at once, on the detokenizer's urgent lane, until its PCM covers one chunk's audio
-   (time to first audio waits on the first; a later chunk has the slack of the audio before it).
-   docs/serving.md says why each, and what each measured.
+   `detokenize_batches` later batches run, new chunks wait and go together later (a batch's cost per
+   chunk falls steeply with its size). Which waiting chunks go when (a stream's first ones urgent,
+   later ones held, joined, at most a flow call's codes, at least `detokenize_least` codes a batch)
+   is `serve/outbox.py`'s; docs/serving.md says why each, and what each measured.
 
 The clock is the host's and never waits for the device; `phases` sums the device time of each
 phase (prefill, sampling, decode, detokenizer), `sent` counts the detokenizer's calls by lane (and
@@ -60,6 +54,7 @@ import torch
 from workflow.detokenize import Piece, Ready, chunk_due
 from workflow.engines.base import Engine, to_device
 from workflow.generate import Ids, advance, audio_mode_after, sample_step
+from workflow.serve.outbox import Chunk, Outbox
 from workflow.serve.pending import Pending
 from workflow.serve.phases import Phases
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
@@ -106,7 +101,7 @@ class Scheduler:
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
         self.logits = Pending()  # each open stream's logits, its next token not yet sampled
         self.done: list[Request] = []
-        self.outbox: list[tuple[Request, list[int], int, bool]] = []  # chunks made, not yet sent (codes, done, last)
+        self.outbox = Outbox(cfg, self.codes_a_call, self.rate, self.chunk_audio, clock)  # chunks made, not yet sent
         self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
         self.phases = Phases(dev, clock)
         self.sent: dict[str, Counter] = {}  # by lane's phase: calls, streams, chunks
@@ -211,66 +206,18 @@ class Scheduler:
         self._stamp(wait=True)
 
     def _send(self, due: bool, hold: bool = True) -> None:
-        """The chunks of streams that have less than a chunk's audio made at once, on the urgent lane
-        (`first_chunks_apart`); every other waiting chunk in one batch, if `due`, but a speaking
-        stream's only once `detokenize_hold` of them wait, or `detokenize_join` beside others that go
-        (hold: False sends them all), and with `detokenize_least` only once the batch takes that many codes or
-        one of its streams' chunks is due within the slack."""
-        if self.cfg.first_chunks_apart:
-            self._send_where(lambda req: sum(req.chunk_samples) < self.chunk_audio, urgent=True)
-        if due:
-            waiting = Counter(c[0].rid for c in self.outbox)
-            soon = {rid for rid, req in {c[0].rid: c[0] for c in self.outbox}.items() if self._due_soon(req)}  # once a request
-            speaking = {r.rid for r in self.streams.values()} if hold else set()
-            held = self.cfg.detokenize_hold if not self._first_audio_waits() else None  # None: only those due soon go
-            join = self.cfg.detokenize_join if held is not None else 0
-            self._send_where(
-                lambda req: req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or req.rid in soon,
-                urgent=False,
-                joins=lambda req: 0 < join <= waiting[req.rid],
-                least=self.cfg.detokenize_least if hold and not soon else 0,
-            )
+        """The urgent chunks in a batch of their own (`first_chunks_apart`), then, if `due`, a batch of
+        later ones (`Outbox.later`; hold: False sends every waiting chunk, up to `codes_a_call` a stream)."""
+        if self.cfg.first_chunks_apart and (go := self.outbox.urgent()):
+            self._batch(go, urgent=True)
+        if due and (go := self.outbox.later({r.rid for r in self.streams.values()}, self._first_audio_waits(), hold)):
+            self._batch(go, urgent=False)
 
     def _first_audio_waits(self) -> bool:
         """With `first_audio_first`: whether a speaking stream's first PCM is not yet ready."""
         return self.cfg.first_audio_first and any(r.ttfa_s is None for r in self.streams.values())
 
-    def _due_soon(self, req: Request) -> bool:
-        """With `detokenize_slack_s`: whether the stream's next chunk plays within that slack: after the
-        PCM of every chunk sent, from its first PCM's ready time (now while that is not yet known)."""
-        if not self.cfg.detokenize_slack_s:
-            return False
-        now = self.clock()
-        start = req.playback_start
-        return (now if start is None else start) + sum(req.chunk_samples) / self.rate - now <= self.cfg.detokenize_slack_s
-
-    def _send_where(
-        self, goes: Callable[[Request], bool], urgent: bool, joins: Callable[[Request], bool] | None = None, least: int = 0
-    ) -> None:
-        """The waiting chunks whose request `goes`, and where any go those whose request `joins`, in one batch
-        of at least `least` codes (else none goes); the rest wait. Each asked once a request: its chunks go
-        together, in order, in a later batch as many as one flow call solves (`codes_a_call`, 0: all; more
-        take a second pass)."""
-        reqs = {c[0].rid: c[0] for c in self.outbox}
-        going = {rid for rid, req in reqs.items() if goes(req)}
-        if going and joins is not None:
-            going |= {rid for rid, req in reqs.items() if joins(req)}
-        if going:
-            most = 0 if urgent else self.codes_a_call  # a later batch: one flow call a stream
-            go, keep, codes = [], [], Counter()
-            for c in self.outbox:
-                if c[0].rid in going and (not most or c[0].rid not in codes or codes[c[0].rid] + len(c[1]) <= most):
-                    go.append(c)
-                    codes[c[0].rid] += len(c[1])
-                else:
-                    keep.append(c)
-                    going.discard(c[0].rid)  # its later chunks wait too, in order
-            if sum(codes.values()) < least:
-                return  # too few codes for a call's cost: they all wait for more, or for one to be due
-            self.outbox = keep
-            self._batch(go, urgent)
-
-    def _batch(self, chunks: list[tuple[Request, list[int], int, bool]], urgent: bool) -> None:
+    def _batch(self, chunks: list[Chunk], urgent: bool) -> None:
         t = self.clock()
         if self.detokenize is None:  # no detokenizer: a chunk is ready when made, a "sample" a code
             ready: Ready = lambda wait: t  # noqa: E731
@@ -386,7 +333,7 @@ class Scheduler:
     def _finished(self, req: Request) -> bool:
         return req.finished or len(req.tokens) >= req.max_steps or len(req.codes) >= (req.reply_codes or 1 << 62)
 
-    def _chunks(self, slots: list[int]) -> list[tuple[Request, list[int], int, bool]]:
+    def _chunks(self, slots: list[int]) -> list[Chunk]:
         """Each stream's chunk that is complete now: K new codes, or the last codes of a stream
         that ends this iteration (last: True; none if it ends right after a whole chunk, so that a
         detokenizer with lookahead decodes the codes it held back)."""
