@@ -373,11 +373,14 @@ def test_later_chunks_wait_while_a_stream_awaits_its_first_audio(tiny_engine_dir
         Scheduler(engine, ids, ServeConfig(first_audio_first=True))
 
 
-def paced(engine, pace: float, second_at: float | None = None) -> tuple[list[Request], list[tuple[float, int]], bool]:
+def paced(
+    engine, pace: float, second_at: float | None = None, first_lead: float = 0.0
+) -> tuple[list[Request], list[tuple[float, int]], bool]:
     """Stream 1 (60 codes: 4.8 s of audio), and stream 2 arriving at `second_at`, served on a clock of
-    10 ms an iteration (racing: 8 x real time), with `pace` and a lead of 0.4 s; the detokenizer is ready
-    at once, a code's PCM a "sample". Returns the requests, (time, stream 1's codes) at each iteration
-    that decoded, and whether any iteration waited (iterate False while wait_s > 0)."""
+    10 ms an iteration (racing: 8 x real time), with `pace` and a lead of 0.4 s (and `first_audio_lead_s`
+    first_lead); the detokenizer is ready at once, a code's PCM a "sample". Returns the requests, (time,
+    stream 1's codes) at each iteration that decoded, and whether any iteration waited (iterate False
+    while wait_s > 0)."""
     ids = Ids.of(engine.spec)
     now = [0.0]
 
@@ -385,7 +388,8 @@ def paced(engine, pace: float, second_at: float | None = None) -> tuple[list[Req
         at = now[0]
         return (lambda wait: at), [len(p.codes) for p in pieces]
 
-    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, pace=pace, pace_lead_s=0.4, sampling=Sampling(greedy=True))
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, pace=pace, pace_lead_s=0.4, first_audio_lead_s=first_lead,
+                      sampling=Sampling(greedy=True))  # fmt: skip
     sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
     reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=i)[0], max_steps=60, reply_codes=60, t_arrival=0.0) for i in (1, 2)]
     sched.submit(reqs[0])
@@ -443,6 +447,24 @@ def test_a_stream_awaiting_its_first_audio_is_decoded_at_once_beside_paced_ones(
     assert len([t for t, _ in made if 0.5 <= t < 1.0]) < 25  # before it, stream 1 paced: not one each 10 ms
     with pytest.raises(ValueError, match=r"pace 0\.5 is under 1"):
         ServeConfig(pace=0.5)
+
+
+def test_streams_far_ahead_sit_out_while_a_new_stream_makes_its_first_chunk(tiny_engine_dir):
+    """`first_audio_lead_s`: stream 2 arrives at 0.45 s, when stream 1 (unpaced, 8 x real time) has ~3 s of
+    audio made past its playback. With a lead of 1 s stream 1 sits out every step from stream 2's admission
+    until its first chunk is made (4 codes: steps of its row alone), then goes on; with none, or with a lead
+    of 5 s (more than stream 1 has in hand), it steps beside. Both streams' codes are the same each way, and
+    neither underruns."""
+    runs = {lead: paced(load_engine(tiny_engine_dir), 0, second_at=0.45, first_lead=lead) for lead in (0.0, 1.0, 5.0)}
+    for reqs, _, waited in runs.values():
+        assert all(r.error is None and r.stamped and figures.underruns(r, 12.5)[0] == 0 for r in reqs) and not waited
+    assert [r.codes for r in runs[0.0][0]] == [r.codes for r in runs[1.0][0]] == [r.codes for r in runs[5.0][0]]
+    for lead, (reqs, made, _) in runs.items():
+        first = [n for t, n in made if reqs[1].t_admit <= t < reqs[1].chunk_sent[0]]  # stream 1's codes meanwhile
+        assert len(first) >= 3 and reqs[0].ahead_s(reqs[1].t_admit) > 2.5
+        assert first[-1] - first[0] == (0 if lead == 1.0 else len(first) - 1), (lead, first)
+    with pytest.raises(ValueError, match="first_audio_lead_s -1 is negative"):
+        ServeConfig(first_audio_lead_s=-1)
 
 
 @pytest.mark.parametrize("detok_cap,cfg_cap,cap", [(2, 0, 2), (0, 3, 3), (3, 2, 2), (0, 0, 4)])

@@ -73,6 +73,7 @@ class LoadConfig:
     later_below_decode: bool = False  # the detokenizer's later lane one priority below the decode graphs (lane_priorities)
     pace: float = 0.0  # >= 1: a stream past its first PCM decoded only to this many times real time (ServeConfig; 0: off)
     pace_lead_s: float = 1.0  # with pace: the audio kept ahead of that (ServeConfig)
+    first_audio_lead_s: float = 0.0  # > 0: while a stream makes its first chunk, those this far ahead sit out (ServeConfig)
     seed: int = 9101
     search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
     search_max: int = 256  # the most users the search offers

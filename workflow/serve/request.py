@@ -79,6 +79,11 @@ class Request:
             return float("-inf")
         return start + (len(self.codes) * SECONDS_PER_TOKEN - lead_s) / pace
 
+    def ahead_s(self, now: float) -> float:
+        """Seconds of audio its codes make past its playback now (all of it before the playback starts)."""
+        start = self.playback_start
+        return len(self.codes) * SECONDS_PER_TOKEN - (0.0 if start is None else max(0.0, now - start))
+
     def ttfa_parts(self) -> tuple[float, float, float] | None:
         """Time to first audio in three parts (s): queued (arrival to admission), the first audible
         chunk made (admission to its sending: prefill, decode steps) and its PCM (sent to ready: the
@@ -111,6 +116,7 @@ class ServeConfig:
     max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
     pace: float = 0.0  # >= 1: once its first PCM is ready, a stream is decoded only to pace x real time (0: at once)
     pace_lead_s: float = 1.0  # with pace: the audio a stream keeps ahead of that, from its playback's start
+    first_audio_lead_s: float = 0.0  # > 0: while a stream makes its first chunk, streams this far ahead sit out the step
     sampling: Sampling = field(default_factory=Sampling)
 
     def __post_init__(self) -> None:
@@ -121,5 +127,7 @@ class ServeConfig:
         if self.detokenize_join and self.detokenize_join >= self.detokenize_hold:
             raise ValueError(f"detokenize_join {self.detokenize_join} is not under detokenize_hold {self.detokenize_hold}: "
                              "a stream with that many chunks waiting goes on its own")  # fmt: skip
+        if self.first_audio_lead_s < 0:
+            raise ValueError(f"first_audio_lead_s {self.first_audio_lead_s:g} is negative; use 0 (off) or seconds of audio")
         if 0 < self.pace < 1:
             raise ValueError(f"pace {self.pace:g} is under 1: a stream made slower than it plays runs out; use 0 (off) or >= 1")

@@ -9,7 +9,7 @@ One thread owns the engine. Each `iterate`:
    admitted whole, not chunked: a 512-token prefill costs about two decode steps of a full batch,
    far inside the 80 ms each running stream has per code, and the token budget keeps a burst of
    arrivals from stacking more than that in front of one step;
-2. samples the next token of every stream it steps (all but, with `pace`, those sitting out: 4)
+2. samples the next token of every stream it steps (all but those sitting out: 4)
    from its logits (MOSS-Speech's loop: `generate`'s sampling, penalty and modality switches, per
    stream), with one wait for the device: the iteration's only one;
 3. retires streams that are done (their codes spoken, a stop id, their step budget) or that
@@ -21,7 +21,9 @@ One thread owns the engine. Each `iterate`:
    steps, and while none is, only those awaiting their first audio do (the engine steps any of its
    slots), so a new stream's first chunk is made by narrow steps. A reply made at pace x real time
    keeps its stream open longer, so more streams share each step and each detokenizer call (and
-   hold their slots and the codec's pages meanwhile);
+   hold their slots and the codec's pages meanwhile). With `first_audio_lead_s`, while a stream
+   makes its first chunk (time to first audio waits on its steps), the streams with that much audio
+   made past their playback sit out, so its steps stay narrow; the rest have that much in hand;
 5. while the device decodes, sends the streams' finished chunks (K codes each, the first as many
    as the detokenizer needs for its first PCM, `detokenize.chunk_due`; a `Piece`) to the
    detokenizer, as one batch across streams. It returns at once (on CUDA it runs on a side
@@ -173,9 +175,13 @@ class Scheduler:
         return True
 
     def _going(self) -> list[int]:
-        """The streams sampled and stepped now: all but, with `pace` while no speaking stream is due,
-        only those awaiting their first audio, so that their steps stay narrow."""
+        """The streams sampled and stepped now: all but, with `first_audio_lead_s` while a stream makes its
+        first chunk, those with that much audio made past their playback; with `pace` while no speaking
+        stream is due, only those awaiting their first audio. Either way a new stream's steps stay narrow."""
         slots, now = self.logits.slots, self.clock()
+        lead = self.cfg.first_audio_lead_s
+        if lead and any(not self.streams[s].chunk_codes for s in slots):
+            return [s for s in slots if not self.streams[s].chunk_codes or self.streams[s].ahead_s(now) < lead]
         waiting = [s for s in slots if self.streams[s].playback_start is None]
         if not self.cfg.pace or not waiting:
             return slots
