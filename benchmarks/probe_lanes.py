@@ -61,6 +61,7 @@ def costliest(lv: dict, n: int = 4) -> str:
 
 def line(name: str, lv: dict) -> str:
     r = lambda d: json.dumps({k: round(v, 2) for k, v in d.items()})  # noqa: E731
+    parts = "/".join(f"{v['p50']:.0f}" for v in lv["ttfa_parts_ms"].values())  # queued, first chunk, its PCM
     return (
         f"{name} | {lv['value']} users | TTFA p50/p90/p99 {lv['ttfa_ms']['p50']:.0f}/{lv['ttfa_ms']['p90']:.0f}/"
         f"{lv['ttfa_ms']['p99']:.0f} ms | underruns {lv['underruns']} | codes/s {lv['tokens_per_s']:.0f} | "
@@ -70,7 +71,7 @@ def line(name: str, lv: dict) -> str:
         f"rows a step {lv['mean_active_slots']:.1f} | steps {lv['iterations']} | peak {lv['peak_streams']} | "
         f"queued p99 {lv['queued_ms']['p99']:.0f} ms | iteration p50/p99/max {lv['iteration_ms']['p50']:.1f}/"
         f"{lv['iteration_ms']['p99']:.1f}/{lv['iteration_ms']['max']:.0f} ms | slowest tenth queued/chunk/PCM "
-        f"{'/'.join(f'{v:.0f}' for v in lv['slowest_ttfa_parts_ms'].values())} ms | served {lv['served']} | "
+        f"{'/'.join(f'{v:.0f}' for v in lv['slowest_ttfa_parts_ms'].values())} ms | p50 {parts} ms | served {lv['served']} | "
         f"anchor put off {lv['anchor_put_off']} | "
         f"slow iterations {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in lv['slow_iterations'].items()})}"
     )
