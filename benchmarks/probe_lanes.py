@@ -7,13 +7,14 @@ stepping alone while none is due: wider steps and calls) and `load.later_below_d
 detokenizer's later lane one priority below the decode graphs: a decode step goes before a held codec
 batch where both wait for SMs), `load.detokenize_least` (PROBE_LEAST codes at least a later batch, unless a
 chunk is due within the slack: fewer, wider codec calls), `load.first_audio_lead_s` (PROBE_FIRST_LEAD s:
-while a stream makes its first chunk, streams that far ahead of their playback sit out) and
+while a stream makes its first chunk, streams that far ahead of their playback sit out), `load.urgent_batches`
+1 (urgent chunks made while an urgent batch runs wait, then go as one) and
 `load.prefill_tokens` (PROBE_PREFILL prompt tokens admitted an iteration: fewer prompts stretch each decode
 step). The "below" arms run last: their lane's graphs are new, in a pool of their own, which stays. A line
 per level as it ends, then every level's figures as JSON, memory after the graphs made ahead (`prepared`)
 included.
 
-    PROBE_ARMS="base|join|least|first|prefill|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_LEAST=320 \
+    PROBE_ARMS="base|join|least|first|urgent|prefill|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_LEAST=320 \
         PROBE_FIRST_LEAD=1.5 PROBE_PACE=3 PROBE_LEAD=1.5 PROBE_PREFILL=512 \
         python benchmarks/probe_lanes.py <engine dir> <out.json> [config.yaml ...]
 """
@@ -40,7 +41,7 @@ PACE = {"pace": float(os.environ.get("PROBE_PACE", "3")), "pace_lead_s": float(o
 PREFILL = {"prefill_tokens": int(os.environ.get("PROBE_PREFILL", "512"))}  # one 512-token prompt an iteration
 LEAST = {"detokenize_least": int(os.environ.get("PROBE_LEAST", "320"))}  # h200.yaml: 8 streams' 8 held chunks
 FIRST = {"first_audio_lead_s": float(os.environ.get("PROBE_FIRST_LEAD", "1.5"))}  # streams this far ahead sit out
-ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL, "least": LEAST, "first": FIRST,
+ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL, "least": LEAST, "first": FIRST, "urgent": {"urgent_batches": 1}, "first+urgent": FIRST | {"urgent_batches": 1},
         "join+prefill": {"detokenize_join": JOIN} | PREFILL, "below": {"later_below_decode": True},
         "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}

@@ -365,8 +365,8 @@ def test_every_scheduler_setting_of_the_load_reaches_the_scheduler():
     given = {
         "prefill_tokens": 512, "when_full": "refuse", "detokenize_batches": 3, "detokenize_hold": 5, "detokenize_slack_s": 0.4,
         "detokenize_join": 3, "detokenize_least": 40,
-        "first_audio_first": True, "first_chunks_apart": False, "pace": 2.5, "pace_lead_s": 0.7, "first_audio_lead_s": 1.5,
-        "slots": 6,
+        "first_audio_first": True, "first_chunks_apart": False, "urgent_batches": 2, "pace": 2.5, "pace_lead_s": 0.7,
+        "first_audio_lead_s": 1.5, "slots": 6,
     }  # fmt: skip
     shared = set(ServeConfig.__dataclass_fields__) & set(load.LoadConfig.__dataclass_fields__)
     assert shared == set(given) - {"slots"}  # a setting added to both is added here too

@@ -467,6 +467,41 @@ def test_streams_far_ahead_sit_out_while_a_new_stream_makes_its_first_chunk(tiny
         ServeConfig(first_audio_lead_s=-1)
 
 
+@pytest.mark.parametrize("most", [0, 1])
+def test_urgent_chunks_made_while_an_urgent_batch_runs_wait_and_go_together(tiny_engine_dir, most):
+    """`urgent_batches`: three streams arrive an iteration apart, and an urgent batch's PCM is ready 30 ms
+    (three iterations) after it is sent. With no limit each first chunk goes at once, a batch each (on one
+    lane they would queue); with 1, the second and third wait while the first's batch runs, then go as one.
+    A waiting first chunk never goes on the later lane; every chunk goes once, in order."""
+    engine = load_engine(tiny_engine_dir)
+    ids = Ids.of(engine.spec)
+    now, urgent_batches, lanes = [0.0], [], {}
+
+    def detokenize(pieces, urgent):
+        at = now[0] + (0.03 if urgent else 0.0)
+        if urgent:
+            urgent_batches.append(sorted(p.stream for p in pieces))
+        for p in pieces:
+            lanes.setdefault(p.stream, []).append((p.done, urgent))
+        return (lambda wait: at if wait or now[0] >= at - 1e-9 else None), [len(p.codes) for p in pieces]
+
+    cfg = ServeConfig(chunk_tokens=4, detokenize_batches=100, urgent_batches=most, sampling=Sampling(greedy=True))
+    sched = Scheduler(engine, ids, cfg, detokenize=detokenize, clock=lambda: now[0])
+    reqs = [Request(i, traffic.speech_prompt(1, 20, ids, seed=3 + i)[0], max_steps=24, reply_codes=24) for i in range(3)]
+    for req in reqs:
+        sched.submit(req)
+        sched.iterate()
+        now[0] += 0.01
+    while not sched.idle():
+        sched.iterate()
+        now[0] += 0.01
+    sched.flush()
+    assert urgent_batches == ([[0], [1], [2]] if not most else [[0], [1, 2]]), urgent_batches
+    for req in reqs:
+        assert req.error is None and req.stamped and [d for d, _ in lanes[req.rid]] == list(range(0, 24, 4))
+        assert lanes[req.rid][0][1] and not any(u for _, u in lanes[req.rid][1:])  # its first chunk urgent, no other
+
+
 @pytest.mark.parametrize("detok_cap,cfg_cap,cap", [(2, 0, 2), (0, 3, 3), (3, 2, 2), (0, 0, 4)])
 def test_no_more_streams_open_than_the_detokenizer_serves(tiny_engine_dir, detok_cap, cfg_cap, cap):
     """A stream is open from its admission until its last chunk is sent, and at most `max_streams`

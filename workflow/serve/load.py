@@ -70,6 +70,7 @@ class LoadConfig:
     detokenize_least: int = 0  # > 0: a later batch goes once it takes this many codes, or one of them is due (ServeConfig)
     first_audio_first: bool = False  # later chunks wait while a stream awaits its first audio, but those due soon (ServeConfig)
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
+    urgent_batches: int = 0  # > 0: urgent batches running at once; new urgent chunks wait, then go together (ServeConfig)
     later_below_decode: bool = False  # the detokenizer's later lane one priority below the decode graphs (lane_priorities)
     pace: float = 0.0  # >= 1: a stream past its first PCM decoded only to this many times real time (ServeConfig; 0: off)
     pace_lead_s: float = 1.0  # with pace: the audio kept ahead of that (ServeConfig)

@@ -42,21 +42,29 @@ class Outbox:
 
     def urgent(self) -> list[Chunk]:
         """The chunks of streams whose PCM covers less than a chunk's audio: they go at once."""
-        return self._take(lambda req: sum(req.chunk_samples) < self.chunk_audio, most=0)
+        return self._take(self._urgent, most=0)
+
+    def _urgent(self, req: Request) -> bool:
+        return sum(req.chunk_samples) < self.chunk_audio
 
     def later(self, speaking: set[int], first_audio_waits: bool, hold: bool = True) -> list[Chunk]:
         """A batch of later chunks (module docstring), [] while none go. speaking: the streams still
         decoding; first_audio_waits: only those due within the slack go (`first_audio_first`);
         hold False: every waiting chunk goes (a flush)."""
         waiting = Counter(c[0].rid for c in self.chunks)
-        soon = {rid for rid, req in self._requests().items() if self.due_soon(req)}  # the clock read once a request
+        apart = hold and self.cfg.first_chunks_apart  # urgent ones wait for their lane (`urgent_batches`)
+        reqs = {rid: req for rid, req in self._requests().items() if not (apart and self._urgent(req))}
+        soon = {rid for rid, req in reqs.items() if self.due_soon(req)}  # the clock read once a request
         speaking = speaking if hold else set()
         held = None if first_audio_waits else self.cfg.detokenize_hold  # None: only those due soon go
         join = self.cfg.detokenize_join if held is not None else 0
         return self._take(
-            lambda req: req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or req.rid in soon,
+            lambda req: (
+                req.rid in reqs
+                and (req.rid not in speaking or (held is not None and waiting[req.rid] >= held) or req.rid in soon)
+            ),
             most=self.codes_a_call,
-            joins=lambda req: 0 < join <= waiting[req.rid],
+            joins=lambda req: req.rid in reqs and 0 < join <= waiting[req.rid],
             least=self.cfg.detokenize_least if hold and not soon else 0,
         )
 

@@ -113,6 +113,7 @@ class ServeConfig:
     detokenize_least: int = 0  # > 0: a batch of later chunks goes once it takes this many codes, or one of them is due (slack)
     first_audio_first: bool = False  # speaking streams' later chunks wait while one awaits its first audio (slack: above)
     first_chunks_apart: bool = True  # a stream's chunks go at once, on the urgent lane, until it has a chunk's audio
+    urgent_batches: int = 0  # > 0: urgent batches running at once; new urgent chunks wait, then go together (0: no limit)
     max_streams: int = 0  # streams open at once (0: the engine's slots); never more than the detokenizer's `max_streams`
     pace: float = 0.0  # >= 1: once its first PCM is ready, a stream is decoded only to pace x real time (0: at once)
     pace_lead_s: float = 1.0  # with pace: the audio a stream keeps ahead of that, from its playback's start

@@ -214,10 +214,16 @@ class Scheduler:
     def _send(self, due: bool, hold: bool = True) -> None:
         """The urgent chunks in a batch of their own (`first_chunks_apart`), then, if `due`, a batch of
         later ones (`Outbox.later`; hold: False sends every waiting chunk, up to `codes_a_call` a stream)."""
-        if self.cfg.first_chunks_apart and (go := self.outbox.urgent()):
+        if self.cfg.first_chunks_apart and self._urgent_free() and (go := self.outbox.urgent()):
             self._batch(go, urgent=True)
         if due and (go := self.outbox.later({r.rid for r in self.streams.values()}, self._first_audio_waits(), hold)):
             self._batch(go, urgent=False)
+
+    def _urgent_free(self) -> bool:
+        """Whether fewer than `urgent_batches` urgent batches are running (always, without a limit): on one
+        lane a batch waits for those before it, so chunks made meanwhile wait on the host and go as one."""
+        most = self.cfg.urgent_batches
+        return not most or sum(urgent and ready(False) is None for ready, _, urgent in self.unready) < most
 
     def _first_audio_waits(self) -> bool:
         """With `first_audio_first`: whether a speaking stream's first PCM is not yet ready."""
