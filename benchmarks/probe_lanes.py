@@ -41,7 +41,9 @@ PACE = {"pace": float(os.environ.get("PROBE_PACE", "3")), "pace_lead_s": float(o
 PREFILL = {"prefill_tokens": int(os.environ.get("PROBE_PREFILL", "512"))}  # one 512-token prompt an iteration
 LEAST = {"detokenize_least": int(os.environ.get("PROBE_LEAST", "320"))}  # h200.yaml: 8 streams' 8 held chunks
 FIRST = {"first_audio_lead_s": float(os.environ.get("PROBE_FIRST_LEAD", "1.5"))}  # streams this far ahead sit out
-ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL, "least": LEAST, "first": FIRST, "urgent": {"urgent_batches": 1}, "first+urgent": FIRST | {"urgent_batches": 1},
+URGENT = {"urgent_batches": 1}  # urgent chunks made while an urgent batch runs go as one
+ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL, "least": LEAST,
+        "first": FIRST, "urgent": URGENT, "first+urgent": FIRST | URGENT,
         "join+prefill": {"detokenize_join": JOIN} | PREFILL, "below": {"later_below_decode": True},
         "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
