@@ -116,8 +116,8 @@ def step_bucket(n: int, max_batch: int) -> int:
 
 
 def batch_bucket(n: int, max_batch: int) -> int:
-    """The rows a decode step of n active rows runs (one graph per bucket): n rounded up to a
-    power of two or 1.5 times one (so at most a third are padding), at most max_batch."""
+    """The rows a detokenizer batch of n streams runs (one graph per bucket; the benchmark's): n rounded
+    up to a power of two or 1.5 times one (so at most a third are padding), at most max_batch."""
     p = 1 << (n - 1).bit_length()
     return min(max_batch, p * 3 // 4 if n <= p * 3 // 4 and p >= 4 else p)
 

@@ -6,7 +6,8 @@ cover a chunk's audio (`first_chunks_apart`: their own batch, on the detokenizer
 when a later batch may run, `later()`: a speaking stream's chunks once `detokenize_hold` of them wait
 or one is due within `detokenize_slack_s` of its playback, with those of `detokenize_join` alongside,
 every chunk of a stream that no longer speaks, and with `detokenize_least` only a batch of at least
-that many codes (unless one is due). docs/serving.md says why each.
+that many codes (unless one is due); never the chunks of a stream that `urgent()` would take, which
+wait for their lane while `urgent_batches` run there. docs/serving.md says why each.
 
 A stream's waiting chunks are decided once a call, together: whether one is due reads the clock, and
 a chunk whose answer changed between two questions was in neither batch nor outbox (a lost chunk,
