@@ -290,35 +290,36 @@ def test_a_paced_level_makes_each_reply_at_its_pace(tiny_engine_dir):
         assert req.chunk_ready[-1] - req.playback_start > 0.9 * paced_s
 
 
-@pytest.mark.parametrize("latency_s", [0.02, 0.08])
-def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
-    """H200 run 9's stalled setting on a fake clock (4 ms an iteration, 0.5 ms a paced wait): pace 2,
-    later chunks held 8 with 0.5 s of slack, first chunks apart, a detokenizer whose PCM is ready
-    `latency_s` after a first chunk is sent (3 x after a later one) with a 7-code first PCM. Sixteen
-    replies of 4-20 s arriving over 3 s (8 speaking at most): every one served, stamped and without
-    underrun, and each reply made in about its paced time from its admission."""
-    engine = load_engine(tiny_engine_dir, max_batch=8)
-    ids, now, rate = Ids.of(engine.spec), [0.0], 24000.0
+class FakeCodec:
+    """The codec decoder's PCM on a fake clock: none for the first 2 codes of a stream (lookahead) until its
+    end, 7 codes before its first PCM, ready `latency_s` after a first chunk is sent (3 x after a later one)."""
 
-    class Detokenizer:  # the codec decoder's PCM: none for the first 2 codes (lookahead) until a stream's end
-        sample_rate, first_codes = rate, 7
+    sample_rate, first_codes = 24000.0, 7
 
-        def __init__(self) -> None:
-            self.codes: dict[int, int] = {}
-            self.calls: dict[str, Counter] = {}  # what it was asked, by lane
+    def __init__(self, now: list[float], latency_s: float) -> None:
+        self.now, self.latency_s = now, latency_s
+        self.codes: dict[int, int] = {}
+        self.calls: dict[str, Counter] = {}  # what it was asked, by lane
+        self.urgent: list[tuple[float, float]] = []  # each urgent batch: sent, ready
 
-        def __call__(self, pieces, urgent):
-            lane = self.calls.setdefault("detokenize first" if urgent else "detokenize", Counter())
-            lane.update(calls=1, streams=len({p.stream for p in pieces}), chunks=len(pieces))
-            at, samples = now[0] + latency_s * (1 if urgent else 3), []
-            for p in pieces:
-                before = self.codes.get(p.stream, 0)
-                self.codes[p.stream] = after = before + len(p.codes)
-                samples.append(1920 * ((after if p.last else max(0, after - 2)) - max(0, before - 2)))
-            return (lambda wait: at if wait or now[0] >= at else None), samples
+    def __call__(self, pieces, urgent):
+        lane = self.calls.setdefault("detokenize first" if urgent else "detokenize", Counter())
+        lane.update(calls=1, streams=len({p.stream for p in pieces}), chunks=len(pieces))
+        at, samples = self.now[0] + self.latency_s * (1 if urgent else 3), []
+        if urgent:
+            self.urgent.append((self.now[0], at))
+        for p in pieces:
+            before = self.codes.get(p.stream, 0)
+            self.codes[p.stream] = after = before + len(p.codes)
+            samples.append(1920 * ((after if p.last else max(0, after - 2)) - max(0, before - 2)))
+        return (lambda wait: at if wait or self.now[0] >= at else None), samples
 
-    cfg = ServeConfig(detokenize_hold=8, detokenize_slack_s=0.5, pace=2, max_streams=8, sampling=Sampling())
-    sched = Scheduler(engine, ids, cfg, detok := Detokenizer(), lambda: now[0], torch.Generator().manual_seed(0))
+
+def serve_sixteen(engine, cfg: ServeConfig, latency_s: float) -> tuple[list[Request], Scheduler, FakeCodec]:
+    """Sixteen replies of 4-20 s arriving over 3 s, served on a fake clock (4 ms an iteration, 0.5 ms a
+    paced wait) with `FakeCodec`; every one served and stamped, and none underran."""
+    ids, now = Ids.of(engine.spec), [0.0]
+    sched = Scheduler(engine, ids, cfg, detok := FakeCodec(now, latency_s), lambda: now[0], torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     arrivals = sorted((3 * torch.rand(16, generator=g)).tolist())
     replies = torch.randint(50, 251, (16,), generator=g).tolist()
@@ -336,11 +337,36 @@ def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
         assert now[0] < 60, f"stalled: {len(sched.streams)} speaking, {len(sched.outbox)} chunks unsent"
     sched.flush()
     assert sorted(r.rid for r in sched.done) == list(range(16))
-    assert all(r.error is None and r.stamped and figures.underruns(r, rate)[0] == 0 for r in reqs)
-    assert all(r.chunk_ready[-1] - r.t_admit < (len(r.codes) * 0.08 - 1) / 2 + 1 for r in reqs)  # each at pace 2 past a 1 s lead
+    assert all(r.error is None and r.stamped and figures.underruns(r, FakeCodec.sample_rate)[0] == 0 for r in reqs)
     assert sched.sent == detok.calls and set(sched.sent) == {"detokenize", "detokenize first"}  # its calls, by lane
+    return reqs, sched, detok
+
+
+@pytest.mark.parametrize("latency_s", [0.02, 0.08])
+def test_paced_streams_with_held_chunks_all_end(tiny_engine_dir, latency_s):
+    """H200 run 9's stalled setting: pace 2, later chunks held 8 with 0.5 s of slack, first chunks apart,
+    8 speaking at most (`serve_sixteen`): every reply served, stamped and without underrun, each made in
+    about its paced time from its admission."""
+    cfg = ServeConfig(detokenize_hold=8, detokenize_slack_s=0.5, pace=2, max_streams=8, sampling=Sampling())
+    reqs, sched, _ = serve_sixteen(load_engine(tiny_engine_dir, max_batch=8), cfg, latency_s)
+    assert all(r.chunk_ready[-1] - r.t_admit < (len(r.codes) * 0.08 - 1) / 2 + 1 for r in reqs)  # each at pace 2 past a 1 s lead
     later = sched.sent["detokenize"]
     assert later["chunks"] > 2 * later["streams"] > 0  # held: a stream's later chunks go several a call
+
+
+@pytest.mark.parametrize("latency_s", [0.02, 0.08])
+def test_the_first_audio_settings_together_serve_every_reply(tiny_engine_dir, latency_s):
+    """Unpaced, with the settings built for time to first audio and the codec's calls all on (streams 1.5 s
+    ahead sit out while a first chunk is made, one urgent batch at a time, later batches of at least 40
+    codes unless due; hold 8, 0.5 s of slack): every reply served, stamped and without underrun
+    (`serve_sixteen`), never two urgent batches running at once, and where the urgent PCM comes late
+    (80 ms: a stream's second chunk is made before its first's PCM) chunks waiting for the lane go as one."""
+    cfg = ServeConfig(detokenize_hold=8, detokenize_slack_s=0.5, detokenize_least=40, first_audio_lead_s=1.5,
+                      urgent_batches=1, max_streams=8, sampling=Sampling())  # fmt: skip
+    _, sched, detok = serve_sixteen(load_engine(tiny_engine_dir, max_batch=8), cfg, latency_s)
+    assert all(sent >= ready for (_, ready), (sent, _) in itertools.pairwise(detok.urgent)), detok.urgent
+    first = sched.sent["detokenize first"]
+    assert first["chunks"] >= 16 and (first["calls"] < first["chunks"]) == (latency_s > 0.05), first
 
 
 def test_load_config_names_an_unknown_key():
