@@ -120,7 +120,7 @@ def test_chunks_go_urgent_until_a_stream_has_a_chunks_audio(tiny_engine_dir):
     for first, urgent in ((16, [True, True, False, False]), (32, [True, False, False, False])):
         detok = Detokenizer(first)
         sched = Scheduler(engine, ids, ServeConfig(chunk_tokens=4, sampling=Sampling(greedy=True)), detokenize=detok)
-        assert sched.chunk_audio == 32
+        assert sched.outbox.chunk_audio == 32
         sched.submit(Request(0, traffic.speech_prompt(1, 20, ids, seed=3)[0], max_steps=16, reply_codes=16))
         while not sched.idle():
             sched.iterate()

@@ -20,16 +20,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from workflow.serve.request import Request, ServeConfig
+from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
+from workflow.vocoder import SECONDS_PER_TOKEN
 
 Chunk = tuple[Request, list[int], int, bool]  # request, codes, codes before them, last
 
 
 class Outbox:
-    def __init__(self, cfg: ServeConfig, codes_a_call: int, rate: float, chunk_audio: int, clock: Callable[[], float]):
-        """codes_a_call: a stream's most codes in a later batch (0: all); rate: PCM samples a second;
-        chunk_audio: a chunk's samples."""
-        self.cfg, self.codes_a_call, self.rate, self.chunk_audio, self.clock = cfg, codes_a_call, rate, chunk_audio, clock
+    def __init__(self, cfg: ServeConfig, detokenize: Detokenize | None, clock: Callable[[], float]):
+        self.cfg, self.clock = cfg, clock
+        self.codes_a_call: int = getattr(detokenize, "codes_a_call", 0)  # a stream's most in a later batch (0: all)
+        self.rate = pcm_rate(detokenize)  # PCM samples a second
+        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * self.rate)  # a chunk's, in samples
         self.chunks: list[Chunk] = []
 
     def append(self, chunk: Chunk) -> None:

@@ -59,9 +59,8 @@ from workflow.generate import Ids, advance, audio_mode_after, sample_step
 from workflow.serve.outbox import Chunk, Outbox
 from workflow.serve.pending import Pending
 from workflow.serve.phases import Phases
-from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
+from workflow.serve.request import Detokenize, Request, ServeConfig
 from workflow.serve.waits import Counts
-from workflow.vocoder import SECONDS_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -90,9 +89,6 @@ class Scheduler:
         engine.release(engine.active())  # the scheduler owns every slot from now on
         self.detokenize, self.clock, self.generator = detokenize, clock, generator
         self.first_codes: int = getattr(detokenize, "first_codes", 1)  # codes before a stream's first PCM
-        self.codes_a_call: int = getattr(detokenize, "codes_a_call", 0)  # a stream's most in a later batch (0: all)
-        self.rate = pcm_rate(detokenize)
-        self.chunk_audio = round(cfg.chunk_tokens * SECONDS_PER_TOKEN * self.rate)  # a chunk's, in samples
         limits = (engine.max_batch, cfg.max_streams, getattr(detokenize, "max_streams", 0))
         self.max_streams = min(n for n in limits if n)  # streams open at once at most (`streams_open`)
         spec, dev, slots = engine.spec, engine.device, engine.max_batch
@@ -103,7 +99,7 @@ class Scheduler:
         self.mode: dict[int, bool] = {}  # slot -> next token sampled in audio mode
         self.logits = Pending()  # each open stream's logits, its next token not yet sampled
         self.done: list[Request] = []
-        self.outbox = Outbox(cfg, self.codes_a_call, self.rate, self.chunk_audio, clock)  # chunks made, not yet sent
+        self.outbox = Outbox(cfg, detokenize, clock)  # chunks made, not yet sent
         self.unready: deque[tuple[Ready, list[Request], bool]] = deque()  # batches sent, in order, not yet stamped (urgent?)
         self.phases = Phases(dev, clock)
         self.sent: dict[str, Counter] = {}  # by lane's phase: calls, streams, chunks
