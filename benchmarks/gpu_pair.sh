@@ -35,11 +35,11 @@
 # call's MOSSBUILD_STAGE_S; its lines are in $OUT/probe-<precision>.log, its levels in $OUT/probe-<precision>.json.
 #
 # On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (its flow slots and pages do not fit an H100's
-# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=585 before call 3 (bf16's benchmark took 508 s in
-# H200 run 17; its prepare has since grown with 40 streams and compiled admissions and shrunk with pad_frames
-# 320: ~550 s estimated; gpu_pipeline.sh starts no searched level that would end within 60 s of the stage,
+# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=585 before call 3 (bf16's benchmark took 402 s in
+# H200 run 19, its call 407 s; gpu_pipeline.sh starts no searched level that would end within 60 s of the stage,
 # load.search_until_s, so a long search ends with a lower bound, not a cut call) and, before call 4, what the
-# session's device time has left (FP8's search to 128 users takes ~420 s). The CUDA tests run in calls 3 and
+# session's device time has left (FP8's search to 128 users took 346 s in run 19, its call 352 s; the four calls
+# held the machine 1,262 s). The CUDA tests run in calls 3 and
 # 4 beside the other precision's benchmark, never in a call of their own: in call 1 beside download and
 # convert (~115 s) they held the machine ~140 s longer.
 #
