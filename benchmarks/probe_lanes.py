@@ -1,20 +1,21 @@
-"""Serving's A/B (`gpu_pair.sh` p2, p3; ledger: "H200 serving join", "H200 serving pace 3"): settings of
-the load benchmark against the config as it is, at chosen closed levels, in one process on one engine
-and detokenizer's batch. Arms: `load.detokenize_join` (a speaking stream with PROBE_JOIN chunks waiting
-goes along with a held batch that goes anyway: streams' calls fall together), `load.pace` (PROBE_PACE,
-a lead of PROBE_LEAD s: streams past their first PCM decoded at that many times real time, new streams
-stepping alone while none is due: wider steps and calls) and `load.later_below_decode` (the
-detokenizer's later lane one priority below the decode graphs: a decode step goes before a held codec
-batch where both wait for SMs), `load.detokenize_least` (PROBE_LEAST codes at least a later batch, unless a
-chunk is due within the slack: fewer, wider codec calls), `load.first_audio_lead_s` (PROBE_FIRST_LEAD s:
-while a stream makes its first chunk, streams that far ahead of their playback sit out), `load.urgent_batches`
-1 (urgent chunks made while an urgent batch runs wait, then go as one) and
+"""Serving's A/B (`gpu_pair.sh` p2, p3; ledger: "H200 serving join", "H200 serving pace 3"): settings of the
+load benchmark against the config as it is, at chosen closed levels, in one process on one engine and
+detokenizer's batch. Arms: `load.detokenize_join` (a speaking stream with PROBE_JOIN chunks waiting goes
+along with a held batch that goes anyway: streams' calls fall together), `load.pace` (PROBE_PACE, a lead of
+PROBE_LEAD s: streams past their first PCM decoded at that many times real time, new streams stepping alone
+while none is due: wider steps and calls) and `load.later_below_decode` (the detokenizer's later lane one
+priority below the decode graphs: a decode step goes before a held codec batch where both wait for SMs),
+`load.detokenize_least` (PROBE_LEAST codes at least a later batch, unless a chunk is due within the slack:
+fewer, wider codec calls), `load.first_audio_lead_s` (PROBE_FIRST_LEAD s: while a stream makes its first
+chunk, streams that far ahead of their playback sit out), `load.urgent_batches` 1 (urgent chunks made while
+an urgent batch runs wait, then go as one), `load.first_audio_first` (while a stream awaits its first audio,
+later chunks wait but for those due within the slack: the first call without a later batch beside it) and
 `load.prefill_tokens` (PROBE_PREFILL prompt tokens admitted an iteration: fewer prompts stretch each decode
 step). The "below" arms run last: their lane's graphs are new, in a pool of their own, which stays. A line
 per level as it ends, then every level's figures as JSON, memory after the graphs made ahead (`prepared`)
 included.
 
-    PROBE_ARMS="base|join|least|first|urgent|prefill|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_LEAST=320 \
+    PROBE_ARMS="base|join|least|first|urgent|audio_first|prefill|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_LEAST=320 \
         PROBE_FIRST_LEAD=1.5 PROBE_PACE=3 PROBE_LEAD=1.5 PROBE_PREFILL=512 \
         python benchmarks/probe_lanes.py <engine dir> <out.json> [config.yaml ...]
 """
@@ -43,7 +44,7 @@ LEAST = {"detokenize_least": int(os.environ.get("PROBE_LEAST", "320"))}  # h200.
 FIRST = {"first_audio_lead_s": float(os.environ.get("PROBE_FIRST_LEAD", "1.5"))}  # streams this far ahead sit out
 URGENT = {"urgent_batches": 1}  # urgent chunks made while an urgent batch runs go as one
 ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL, "least": LEAST,
-        "first": FIRST, "urgent": URGENT, "first+urgent": FIRST | URGENT,
+        "first": FIRST, "urgent": URGENT, "first+urgent": FIRST | URGENT, "audio_first": {"first_audio_first": True},
         "join+prefill": {"detokenize_join": JOIN} | PREFILL, "below": {"later_below_decode": True},
         "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
