@@ -171,22 +171,27 @@ def held_then_last(batch: CodecBatch) -> tuple[dict[int, torch.Tensor], dict[int
     return codes, {k: torch.cat(x) for k, x in pcm.items()}
 
 
-def test_held_chunks_solve_in_one_round_of_the_larger_shape(decoder, voice, monkeypatch):
+@pytest.mark.parametrize(
+    ("later_frames", "later_shapes", "frames_a_call", "held_shape"),
+    [(90, 1, (60, 100), 100), (190, 1, (60, 200), 200), (190, 2, (60, 100, 200), 100)],
+)
+def test_held_chunks_solve_in_one_round_of_the_least_shape_that_fits(
+    decoder, voice, monkeypatch, later_frames, later_shapes, frames_a_call, held_shape
+):
     """With `later_frames` a stream's waiting chunks are solved as one call up to that many frames a row,
-    not rounds of `new_frames`; a call that needs no more takes the smaller shape. The same two streams
-    as above: 21 codes (100 new frames each) in one call of 100 frames a row, then a chunk and the last
-    call in one of 60; each stream's PCM is still its own alone."""
-    batch = CodecBatch(decoder, voice, slots=2, max_codes=40, later_frames=90)  # rounded up to whole chunks
-    assert (
-        batch.frames_a_call == (60, 100)
-        and batch.slot_frames == CodecBatch(decoder, voice, slots=2, max_codes=40).slot_frames + 40
-    )
+    not rounds of `new_frames`; a call takes the least of `frames_a_call` that its rows fit, with
+    `later_shapes` 2 the held shape's half too. The same two streams as above: 21 codes (100 new frames
+    each) in one call of 100 frames a row (200 where that is the least shape past 60), then a chunk and
+    the last call in one of 60; each stream's PCM is still its own alone."""
+    batch = CodecBatch(decoder, voice, slots=2, max_codes=40, later_frames=later_frames, later_shapes=later_shapes)
+    assert batch.frames_a_call == frames_a_call  # whole chunks of 20 frames, above the first call's 60
+    assert batch.slot_frames == CodecBatch(decoder, voice, slots=2, max_codes=40).slot_frames + frames_a_call[-1] - 60
     shapes, real = [], FlowSlots.flow
     monkeypatch.setattr(
         FlowSlots, "flow", lambda self, tokens, *a: shapes.append((len(tokens), a[-3].shape[1])) or real(self, tokens, *a)
     )
     codes, pcm = held_then_last(batch)
-    assert shapes == [(2, 100), (2, 60)]
+    assert shapes == [(2, held_shape), (2, 60)]
     for k, c in codes.items():
         assert (pcm[k] - alone(decoder, voice, k, c, 5)).abs().max() <= ATOL_PCM, k
 

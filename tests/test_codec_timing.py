@@ -113,6 +113,8 @@ def test_codec_settings_name_what_is_wrong():
     assert CodecTiming.from_dict({"pad_frames": 160}).pad_frames == 160
     with pytest.raises(ValueError, match="ode_steps: 0 is under 1"):
         CodecTiming.from_dict({"ode_steps": 0})
+    with pytest.raises(ValueError, match=r"later_shapes: 0 is under 1 \(the held call's shape alone\)"):
+        CodecTiming.from_dict({"later_shapes": 0})
     with pytest.raises(ValueError, match=r"cfg_rate: -0\.1 is negative"):
         CodecTiming.from_dict({"cfg_rate": -0.1})
     tiny = CodecTiming.from_dict({}).config().solver  # unset: the preset's (tiny: 2 steps; full: MOSS-Speech's 10, 0.7)

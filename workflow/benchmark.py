@@ -211,7 +211,7 @@ def speech_of(p: dict, device: torch.device, dtype: torch.dtype, ids: Ids, load_
         batch = CodecBatch(
             decoder, voice, bucket if cuda else lambda n: n, pad_frames=t.pad_frames if graphs else 0, graphs=graphs,
             slots=t.slots, max_codes=max(p["num_tokens"], load_cfg.longest_codes if load_cfg else 0), later_frames=held,
-            pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN), fp8_pages=t.fp8_pages,
+            pool_codes=round(t.pool_seconds / SECONDS_PER_TOKEN), fp8_pages=t.fp8_pages, later_shapes=t.later_shapes,
         )  # fmt: skip
         slot_bytes = FlowSlots.size(decoder, t.slots, batch.slot_frames, batch.pages, t.fp8_pages) if t.slots else 0
         pool = f", pages for {t.pool_seconds:g} s of audio in all" if t.pool_seconds else ""

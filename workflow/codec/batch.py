@@ -53,7 +53,7 @@ class CodecBatch:
     def __init__(
         self, decoder: CodecDecoder, voice: VoicePrompt, bucket: Callable[[int], int] = lambda n: n,
         pad_frames: int = 0, graphs: bool = False, slots: int = 0, max_codes: int = 0, later_frames: int = 0,
-        pool_codes: int = 0, fp8_pages: bool = False,
+        pool_codes: int = 0, fp8_pages: bool = False, later_shapes: int = 1,
     ):  # fmt: skip
         """pad_frames: each batch's frames padded to a multiple (with masked zeros), so that calls share a
         shape per bucket; graphs (CUDA): each shape's flow (front end and solve) and HiFT network replayed
@@ -62,7 +62,9 @@ class CodecBatch:
         it, and re-runs every frame from there): a call solves only its new frames, up to `new_frames` a
         row (the first call's), or where a stream's waiting chunks need more, `later_frames` (rounded up
         to whole chunks): a solve costs nearly the same for one chunk as for three (levers.md, "H100 codec
-        11"), so serving's held chunks go as one round, not one per `new_frames`. pool_codes: the codes'
+        11"), so serving's held chunks go as one round, not one per `new_frames`; with `later_shapes` > 1 also
+        at its halves (whole chunks, above `new_frames`), so a call whose rows need fewer solves no more
+        (a graph per shape on CUDA). pool_codes: the codes'
         frames the slots' pages hold in all (0: every slot its `max_codes`; fewer: more slots in the same
         memory, streams taking pages as they grow); fp8_pages: their keys and values in float8."""
         if pad_frames % decoder.stride:
@@ -84,8 +86,8 @@ class CodecBatch:
             cf, stride = decoder.cfg.chunk * decoder.stride, decoder.stride
             base = decoder.past_frames(len(self.prompt))
             self.new_frames = -(-((len(self.prompt) + self.first_codes) * stride - base) // cf) * cf
-            later = -(-later_frames // cf) * cf
-            self.frames_a_call = (self.new_frames, *([later] if later > self.new_frames else []))  # the solve's shapes
+            later = {-(-(later_frames >> k) // cf) * cf for k in range(later_shapes)}  # the held call's, its halves
+            self.frames_a_call = (self.new_frames, *sorted(f for f in later if f > self.new_frames))  # the solve's shapes
             self.base = base
             self.slot_frames = self.frames_for(max_codes)
             self.pages = -(-pool_codes * stride // PAGE) if pool_codes else slots * -(-self.slot_frames // PAGE)

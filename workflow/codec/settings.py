@@ -45,6 +45,7 @@ class CodecTiming:
     fp8_pages: bool = False  # the slots' keys and values in float8 e4m3 (slots.py): half the memory a second of audio
     held: int = 1  # > 1, with slots: also a later call solving this many chunks a row at once (serving's detokenize_hold)
     pad_frames: int = 320  # serving on CUDA: a call's frames padded to a multiple, a graph per multiple (warm makes each)
+    later_shapes: int = 1  # serving, with slots: a later call's solve shapes, the held call's frames a row and its halves
     ode_steps: int | None = None  # the flow's Euler steps; None: the preset's (full: MOSS-Speech's 10)
     cfg_rate: float | None = None  # classifier-free guidance; None: the preset's (0.7); 0: none, half the flow's rows
     voice: str | None = None  # None: a random voice; a voice file (voice.py), whose codes are prompt_codes (from_dict)
@@ -73,6 +74,8 @@ class CodecTiming:
             raise ValueError(
                 f"benchmark.codec.pad_frames: {self.pad_frames} is not a positive multiple of {stride} frames (a code's)"
             )
+        if self.later_shapes < 1:
+            raise ValueError(f"benchmark.codec.later_shapes: {self.later_shapes} is under 1 (the held call's shape alone)")
         if self.later_codes % chunk:
             raise ValueError(f"benchmark.codec.later_codes: {self.later_codes} is not a multiple of the chunk ({chunk} codes)")
         if self.slots and self.held * chunk > self.later_codes:  # the held call's chunks end where the later call does
