@@ -21,6 +21,14 @@
 # probe; the other precision's PROBE_<P> is ignored. FP8's build takes ~310 s, so its p2 leaves too little
 # for a probe and spends the rest on the CUDA tests ($OUT/cuda-tests.log): probe with p3.
 #
+# On two GPUs, PROBE_PAIR=1 puts one precision, PROBE_ONE, on both: p2 builds it on GPU 1 (bf16: built in p1),
+# then p2 and p3 probe it side by side, GPU 0 with PROBE_CONFIGS and GPU 1 with PROBE_CONFIGS_1 (two settings that
+# need graphs of their own, e.g. another detokenize_hold), each with its half of the cores, its levels PROBE_<P>,
+# its lines in $OUT/probe-gpu<i>-<precision>.log:
+#
+#   printf 'benchmark:\n  load:\n    detokenize_hold: 16\n' > /tmp/h16.yaml
+#   PROBE_PAIR=1 PROBE_FP8=88,96,104 PROBE_CONFIGS_1=/tmp/h16.yaml ... bash benchmarks/gpu_pair.sh p3
+#
 # The codec decoder's A/B needs no engine, so it runs on a fresh machine, one GPU, before anything else
 # (probe_codec.py: its codec section per arm, ~1 min an arm at the true shape):
 #
@@ -77,13 +85,16 @@ needs() { local f; for f in "$@"; do [ -e "results/full/$f" ] || {
     echo "step $step needs results/full/$f from the calls before it: this machine is fresh; start again at step ${step%%[0-9]*}1" >&2; exit 3; }; done; }
 # probe <gpu> <precision> <levels>: probe_lanes.py on that precision's engine until the call's stage ends
 deadline=$(( SECONDS + ${MOSSBUILD_STAGE_S:-560} ))
-probe() { local left=$(( deadline - SECONDS )); [ -n "$3" ] || return 0
+# (PROBE_PAIR: GPU 1's probe with PROBE_CONFIGS_1, and each probe's files named by its GPU too)
+probe() { local left=$(( deadline - SECONDS )) out=$OUT/probe-$2 configs=${PROBE_CONFIGS:-}; [ -n "$3" ] || return 0
+          if [ -n "${PROBE_PAIR:-}" ]; then out=$OUT/probe-gpu$1-$2; [ "$1" = 0 ] || configs=${PROBE_CONFIGS_1:-}; fi
           [ "$left" -ge "${PROBE_MIN_S:-300}" ] || {
-              echo "probe $2: ${left} s of the stage left, under PROBE_MIN_S (${PROBE_MIN_S:-300}), not started" >> "$OUT/probe-$2.log"; return 0; }
+              echo "probe $2: ${left} s of the stage left, under PROBE_MIN_S (${PROBE_MIN_S:-300}), not started" >> "$out.log"; return 0; }
           CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/site:. PROBE_LEVELS=$3 timeout "$left" \
               taskset -c "$(cores "$1")" python3 benchmarks/probe_lanes.py \
-              "results/full/torch-$2/engine" "$OUT/probe-$2.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} ${PROBE_CONFIGS:-} \
-              > "$OUT/probe-$2.log" 2>&1 || echo "probe $2 exit $?" >> "$OUT/probe-$2.log"; }
+              "results/full/torch-$2/engine" "$out.json" config/full.yaml ${MOSSBUILD_CONFIGFILE:-} $configs \
+              > "$out.log" 2>&1 || echo "probe $2 exit $?" >> "$out.log"; }
+pair() { probe 0 "$one" "$(levels "$one")" & probe 1 "$one" "$(levels "$one")" & wait; }  # PROBE_PAIR
 levels() { if [ "$1" = bf16 ]; then echo "${PROBE_BF16:-}"; else echo "${PROBE_FP8:-}"; fi; }
 # one GPU: what the stage has left after FP8's build and no probe (~250 s) runs the CUDA tests, the first ones
 # (the flow slots' and their float8 pages') before the codec's, cut at the stage's end
@@ -92,17 +103,31 @@ spare_tests() { local left=$(( deadline - SECONDS )); [ "$left" -ge 60 ] || retu
 step=${1:?step 1, 2, 3 or 4 (a run of record), p1, p2 or p3 (a serving A/B), or c (an A/B of the codec)}
 case $one in bf16 | fp8) ;; *) echo "PROBE_ONE must be bf16 or fp8, got $one" >&2; exit 2 ;; esac
 case $step in 1 | 2 | 3 | 4) [ "$gpus" -gt 1 ] || { echo "step $step needs two GPUs; this machine has $gpus" >&2; exit 2; } ;; esac
-case $step,$gpus,$one in
-    2,*) needs ckpt-bf16 ;;
-    3,*) needs torch-bf16/verify.json calib-fp8 ;;
-    4,*) needs torch-fp8/verify.json ;;
-    p2,1,fp8) needs calib-fp8 ;;
-    p2,1,bf16 | p3,1,*) needs "torch-$one/engine/engine.json" ;;
-    p2,*) needs torch-bf16/engine/engine.json calib-fp8 ;;
-    p3,*) needs torch-bf16/engine/engine.json torch-fp8/engine/engine.json ;;
-esac
+if [ -n "${PROBE_PAIR:-}" ]; then
+    [ "$gpus" -gt 1 ] || { echo "PROBE_PAIR needs two GPUs; this machine has $gpus" >&2; exit 2; }
+    case $step,$one in
+        p2,fp8) needs calib-fp8 ;;
+        p2,bf16 | p3,*) needs "torch-$one/engine/engine.json" ;;
+        *) echo "PROBE_PAIR is for steps p2 and p3, not $step" >&2; exit 2 ;;
+    esac
+else
+    case $step,$gpus,$one in
+        2,*) needs ckpt-bf16 ;;
+        3,*) needs torch-bf16/verify.json calib-fp8 ;;
+        4,*) needs torch-fp8/verify.json ;;
+        p2,1,fp8) needs calib-fp8 ;;
+        p2,1,bf16 | p3,1,*) needs "torch-$one/engine/engine.json" ;;
+        p2,*) needs torch-bf16/engine/engine.json calib-fp8 ;;
+        p3,*) needs torch-bf16/engine/engine.json torch-fp8/engine/engine.json ;;
+    esac
+fi
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
+if [ -n "${PROBE_PAIR:-}" ]; then  # p2 or p3 (checked above)
+    if [ "$step,$one" = p2,fp8 ]; then side 1 fp8 build; fi
+    pair
+    exit 0
+fi
 case $step,$gpus in
     1,*) MOSSBUILD_GPU=0 bash benchmarks/gpu_pipeline.sh bf16 convert ;;
     2,*) both "bf16 verify" "fp8 calibrate" ;;
