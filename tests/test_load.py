@@ -402,15 +402,17 @@ def test_every_scheduler_setting_of_the_load_reaches_the_scheduler():
     assert all(given[k] != getattr(ServeConfig(), k) for k in shared)  # none left at its default
 
 
-@pytest.mark.parametrize("most_users", [0, 2, 11, 13, 24, 29, 50, 100, 400])
-def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_that_did_not(most_users):
+@pytest.mark.parametrize("within", [0.25, 0.125])
+@pytest.mark.parametrize("most_users", [0, 2, 11, 13, 24, 29, 50, 84, 100, 400])
+def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_that_did_not(most_users, within):
     """With levels holding the SLO up to `most_users` and no further, the search ends with the
     largest that held at most that, the smallest that failed above it, and the two within
-    search_step users or a quarter of the answer; past search_max it stops at search_max."""
+    search_step users or `within` of the answer (a quarter, or an eighth); past search_max it stops
+    at search_max."""
     step, most = 4, 256
     held = {n: n <= most_users for n in (4, 8, 16, 32)}
     runs = 0
-    while (n := load.next_search_level(held, step, most)) is not None:
+    while (n := load.next_search_level(held, step, most, within)) is not None:
         assert n not in held and 0 < n <= most
         held[n], runs = n <= most_users, runs + 1
     lo = max((n for n, ok in held.items() if ok), default=0)
@@ -419,7 +421,7 @@ def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_th
     if most_users >= most:
         assert lo == most and not above
     else:
-        assert min(above) > most_users and min(above) - lo <= max(step, lo // 4)
+        assert min(above) > most_users and min(above) - lo <= max(step, lo * within)
 
 
 def test_the_search_keeps_the_largest_level_that_held_and_searches_above_it():
@@ -427,6 +429,8 @@ def test_the_search_keeps_the_largest_level_that_held_and_searches_above_it():
     assert load.next_search_level({4: True, 8: False, 16: True, 32: False}, 4, 256) == 24
     assert load.next_search_level({4: True, 8: True}, 4, 256) == 16  # every level held: twice the largest
     assert load.next_search_level({4: True, 8: True}, 4, 8) is None  # ... up to search_max
+    assert load.next_search_level({64: True, 128: False, 96: False, 80: True}, 4, 128) is None  # 16 <= 80 / 4
+    assert load.next_search_level({64: True, 128: False, 96: False, 80: True}, 4, 128, 0.125) == 88  # H200 run 19's FP8
 
 
 def test_the_load_benchmark_searches_past_its_levels(monkeypatch):

@@ -22,7 +22,7 @@ Figures per level, with the definitions of docs/DESIGN (shared by every result f
   the decoding stream, detokenize on its own);
 - streams at the SLO: the largest closed-loop N whose TTFA p99 <= ttfa_slo_ms with no underrun
   and no failed stream. With `search_step`, closed levels follow the given ones until that N is
-  known to within search_step users or a quarter of it (`next_search_level`), so the answer is not
+  known to within search_step users or `search_within` of it (`next_search_level`), so the answer is not
   capped by the levels a config happened to offer.
 """
 
@@ -78,6 +78,7 @@ class LoadConfig:
     seed: int = 9101
     search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
     search_max: int = 256  # the most users the search offers
+    search_within: float = 0.25  # the search ends once the answer is known to within this share of it (or search_step)
     search_until_s: float = 0.0  # > 0: no searched level that would end past this many seconds of the benchmark's run
 
     @property
@@ -119,17 +120,17 @@ def past_budget(cfg: LoadConfig, levels: list[dict], at_s: float, n: int) -> dic
     return {"next": n, "at_s": at_s, "level_s": level_s} if at_s + level_s > cfg.search_until_s else None
 
 
-def next_search_level(held: dict[int, bool], step: int, most: int) -> int | None:
+def next_search_level(held: dict[int, bool], step: int, most: int, within: float = 0.25) -> int | None:
     """The closed level (users) to run next, from those run ({users: held the SLO}), or None when the
     answer is known: lo, the most users that held, and hi, the fewest above lo that did not. While
     no level above lo failed, twice lo (at most `most`); else halfway, in multiples of `step`, until
-    hi - lo is at most `step` or a quarter of lo."""
+    hi - lo is at most `step` or `within` of lo."""
     lo = max((n for n, ok in held.items() if ok), default=0)
     above = [n for n, ok in held.items() if n > lo]  # all failed: lo is the most that held
     if not above:
         return min(2 * lo, most) if 0 < lo < most else None
     hi = min(above)
-    if hi - lo <= max(step, lo // 4):
+    if hi - lo <= max(step, int(lo * within)):
         return None
     return lo + max(1, (hi - lo) // 2 // step * step)
 
@@ -384,7 +385,7 @@ def _levels(
         for value in values:
             one(kind, value)
     held = {lv["value"]: holds(lv, cfg.ttfa_slo_ms) for lv in levels if lv["kind"] == "closed"}
-    while cfg.search_step and (n := next_search_level(held, cfg.search_step, cfg.search_max)) is not None:
+    while cfg.search_step and (n := next_search_level(held, cfg.search_step, cfg.search_max, cfg.search_within)) is not None:
         if began is not None and (stopped := past_budget(cfg, levels, clock() - began, n)):
             break
         held[n] = holds(one("closed", n, searched=True), cfg.ttfa_slo_ms)
