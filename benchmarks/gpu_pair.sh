@@ -24,10 +24,11 @@
 # On two GPUs, PROBE_PAIR=1 puts one precision, PROBE_ONE, on both: p2 builds it on GPU 1 (bf16: built in p1),
 # then p2 and p3 probe it side by side, GPU 0 with PROBE_CONFIGS and GPU 1 with PROBE_CONFIGS_1 (two settings that
 # need graphs of their own, e.g. another detokenize_hold), each with its half of the cores, its levels PROBE_<P>,
-# its lines in $OUT/probe-gpu<i>-<precision>.log:
+# its lines in $OUT/probe-gpu<i>-<precision>.log (PROBE_ARMS=base for each setting alone: unset, every arm of
+# probe_lanes.py runs in turn, as in "H200 serving bf16 levers"):
 #
 #   printf 'benchmark:\n  load:\n    detokenize_hold: 16\n' > /tmp/h16.yaml
-#   PROBE_PAIR=1 PROBE_FP8=88,96,104 PROBE_CONFIGS_1=/tmp/h16.yaml ... bash benchmarks/gpu_pair.sh p3
+#   PROBE_ARMS=base PROBE_PAIR=1 PROBE_FP8=88,96,104 PROBE_CONFIGS_1=/tmp/h16.yaml ... bash benchmarks/gpu_pair.sh p3
 #
 # The codec decoder's A/B needs no engine, so it runs on a fresh machine, one GPU, before anything else
 # (probe_codec.py: its codec section per arm, ~1 min an arm at the true shape):
