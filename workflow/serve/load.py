@@ -120,7 +120,7 @@ def past_budget(cfg: LoadConfig, levels: list[dict], at_s: float, n: int) -> dic
     return {"next": n, "at_s": at_s, "level_s": level_s} if at_s + level_s > cfg.search_until_s else None
 
 
-def next_search_level(held: dict[int, bool], step: int, most: int, within: float = 0.25) -> int | None:
+def next_search_level(held: dict[int, bool], step: int, most: int, within: float = LoadConfig.search_within) -> int | None:
     """The closed level (users) to run next, from those run ({users: held the SLO}), or None when the
     answer is known: lo, the most users that held, and hi, the fewest above lo that did not. While
     no level above lo failed, twice lo (at most `most`); else halfway, in multiples of `step`, until

@@ -201,7 +201,7 @@ class Scheduler:
         return self._later_running() < self.cfg.detokenize_batches
 
     def flush(self) -> None:
-        """Send what waits (in as many batches as `codes_a_call` takes), then wait for the detokenizer
+        """Send what waits (in as many batches as `Outbox.codes_a_call` takes), then wait for the detokenizer
         and the device: every chunk made is stamped, every phase timed."""
         while self.outbox:
             self._send(due=True, hold=False)
@@ -209,7 +209,7 @@ class Scheduler:
 
     def _send(self, due: bool, hold: bool = True) -> None:
         """The urgent chunks in a batch of their own (`first_chunks_apart`), then, if `due`, a batch of
-        later ones (`Outbox.later`; hold: False sends every waiting chunk, up to `codes_a_call` a stream)."""
+        later ones (`Outbox.later`; hold: False sends every waiting chunk, up to `Outbox.codes_a_call` a stream)."""
         if self.cfg.first_chunks_apart and self._urgent_free() and (go := self.outbox.urgent()):
             self._batch(go, urgent=True)
         if due and (go := self.outbox.later({r.rid for r in self.streams.values()}, self._first_audio_waits(), hold)):
