@@ -44,11 +44,11 @@
 # call's MOSSBUILD_STAGE_S; its lines are in $OUT/probe-<precision>.log, its levels in $OUT/probe-<precision>.json.
 #
 # On H200s, MOSSBUILD_CONFIGFILE=config/h200.yaml before each (its flow slots and pages do not fit an H100's
-# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=585 before call 3 (bf16's benchmark took 402 s in
-# H200 run 19, its call 407 s; gpu_pipeline.sh starts no searched level that would end within 60 s of the stage,
-# load.search_until_s, so a long search ends with a lower bound, not a cut call) and, before call 4, what the
-# session's device time has left (FP8's search to 128 users took 346 s in run 19, its call 352 s; the four calls
-# held the machine 1,262 s). The CUDA tests run in calls 3 and
+# 80 GB: gpu_pipeline.sh refuses it there), MOSSBUILD_STAGE_S=585 before call 3 (bf16's benchmark, searched to
+# 128 users, took 510 s in H200 run 20, its call 515 s; gpu_pipeline.sh starts no searched level that would end
+# within 60 s of the stage, load.search_until_s, so a long search ends with a lower bound, not a cut call) and,
+# before call 4, what the session's device time has left (FP8's took 375 s in run 20, its call 380 s; the four
+# calls held the machine 1,424 s, leaving ~370 s of a session for one paired probe, p3, on the engines built). The CUDA tests run in calls 3 and
 # 4 beside the other precision's benchmark, never in a call of their own: in call 1 beside download and
 # convert (~115 s) they held the machine ~140 s longer.
 #

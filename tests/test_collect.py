@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 COLLECT = ROOT / "benchmarks" / "collect.py"
-RUNS = ["2026-11-27-h100-full19", "2026-11-29-h200-full19"]  # README's runs of record
+RUNS = ["2026-11-27-h100-full19", "2026-11-29-h200-full20"]  # README's runs of record
 BASE = "5dada02"  # holds every results directory and patch the ledger names
 
 
