@@ -39,11 +39,12 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
 from workflow import roofline
+from workflow.codec.config import CodecConfig
 from workflow.codec.decoder import F0_RADIUS, CodecDecoder, VoicePrompt
 from workflow.codec.estimator import Past
 from workflow.codec.settings import CodecTiming, check_hift, decoders, voice_of
@@ -194,6 +195,31 @@ class SlotRunner(Runner):
         return self.slots.nbytes()
 
 
+@dataclass(frozen=True)
+class Calls:
+    """Where the timed calls fall in a stream: each call's body codes (the voice prompt's and the reply's so
+    far), the frames its flow cache holds then, and the frames a first call solves a row (CodecBatch.new_frames)."""
+
+    hop0: int  # the first call's reply codes (CodecStream's first hop)
+    codes: dict[str, int]  # "first", "later" -> body codes
+    cached: dict[str, int]  # "first": the voice prompt's past; "later": the last call's end
+    new: int
+
+    @classmethod
+    def of(cls, t: CodecTiming, cfg: CodecConfig) -> Calls:
+        la, chunk, stride = cfg.encoder.lookahead, cfg.chunk, cfg.encoder.stride
+        hop0 = first_hop(t.prompt_codes, chunk, stride)
+        codes = {"first": t.prompt_codes + hop0, "later": t.prompt_codes + t.later_codes + hop0}
+        cf = chunk * stride  # a chunk's frames: a past ends on a chunk boundary
+        cached = {"first": cfg.past_frames(t.prompt_codes), "later": (codes["later"] - chunk) * stride // cf * cf}
+        new = -(-((t.prompt_codes + hop0 + la) * stride - cached["first"]) // cf) * cf
+        return cls(hop0, codes, cached, new)
+
+    def in_slots(self, t: CodecTiming, dec: CodecDecoder, voice: VoicePrompt, batch: int, call: str, graphs: bool) -> SlotRunner:
+        """`batch` streams' first or later calls as serving makes them, each stream in its flow slot."""
+        return SlotRunner(dec, voice, batch, self.codes[call], graphs, self.new, self.cached[call], t.fp8_pages)
+
+
 def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], object] | None = None) -> dict:
     """The codec section: parameters, each stage's ms per call position, variant and batch, and
     (first_codes given: it runs the engine to a stream's first k codes) time to first audio, the
@@ -201,21 +227,16 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     ours, base = decoders(t, device)
     cfg = ours.cfg
     la, chunk, stride = cfg.encoder.lookahead, cfg.chunk, cfg.encoder.stride
-    hop0 = first_hop(t.prompt_codes, chunk, stride)  # the first call's codes (CodecStream's)
-    calls = {"first": t.prompt_codes + hop0, "later": t.prompt_codes + t.later_codes + hop0}  # body codes
-    cf = chunk * stride  # a chunk's frames: a past ends on a chunk boundary
-    cached = {  # the frames the flow cache holds at each call: the voice prompt's past; the last call's end
-        "first": cfg.past_frames(t.prompt_codes),
-        "later": (calls["later"] - chunk) * stride // cf * cf,
-    }
+    at = Calls.of(t, cfg)
+    hop0, calls, cached, new = at.hop0, at.codes, at.cached, at.new
+    cf = chunk * stride
     graphs = t.graphs and device.type == "cuda"
     voice = voice_of(t, ours)
     check_hift(t, ours, voice)
-    new = -(-((t.prompt_codes + hop0 + la) * stride - cached["first"]) // cf) * cf  # CodecBatch.new_frames
 
     def runner(variant: str, dec: CodecDecoder, batch: int, call: str, use_graphs: bool) -> Runner:
         if variant == "ours, slots":
-            return SlotRunner(dec, voice, batch, calls[call], use_graphs, new, cached[call], t.fp8_pages)
+            return at.in_slots(t, dec, voice, batch, call, use_graphs)
         return Runner(dec, batch, calls[call], t.prompt_codes, use_graphs, cached[call] if variant == "ours, flow cache" else 0)
 
     rows = []
