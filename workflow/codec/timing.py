@@ -219,6 +219,16 @@ class Calls:
         """`batch` streams' first or later calls as serving makes them, each stream in its flow slot."""
         return SlotRunner(dec, voice, batch, self.codes[call], graphs, self.new, self.cached[call], t.fp8_pages)
 
+    def held_in_slots(self, t: CodecTiming, dec: CodecDecoder, voice: VoicePrompt, batch: int, graphs: bool) -> SlotRunner:
+        """`batch` streams' later calls of `t.held` chunks each, their frames in one round and their HiFT in one
+        pass, as CodecBatch makes a held batch."""
+        cf = dec.cfg.chunk * dec.cfg.encoder.stride
+        held = t.held * cf
+        start = self.cached["later"] - held + cf
+        run = SlotRunner(dec, voice, batch, self.codes["later"], graphs, max(self.new, held), start, t.fp8_pages)
+        run.hift_rows(t.held)
+        return run
+
 
 def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], object] | None = None) -> dict:
     """The codec section: parameters, each stage's ms per call position, variant and batch, and
@@ -226,10 +236,9 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
     engine's part and the first chunk's decode timed as one."""
     ours, base = decoders(t, device)
     cfg = ours.cfg
-    la, chunk, stride = cfg.encoder.lookahead, cfg.chunk, cfg.encoder.stride
+    la = cfg.encoder.lookahead
     at = Calls.of(t, cfg)
-    hop0, calls, cached, new = at.hop0, at.codes, at.cached, at.new
-    cf = chunk * stride
+    hop0, calls, cached = at.hop0, at.codes, at.cached
     graphs = t.graphs and device.type == "cuda"
     voice = voice_of(t, ours)
     check_hift(t, ours, voice)
@@ -256,11 +265,8 @@ def measure(t: CodecTiming, device: torch.device, first_codes: Callable[[int], o
             for batch in batches:
                 timed(variant, call, batch, body, runner(variant, dec, batch, call, use_graphs))
     if t.slots and t.held > 1:  # a held batch's call: its chunks' frames in one round, as CodecBatch solves them
-        held = t.held * cf
         for batch in (b for b in t.batches if b <= t.slots):
-            start = cached["later"] - held + cf
-            slotted = SlotRunner(ours, voice, batch, calls["later"], graphs, max(new, held), start, t.fp8_pages)
-            slotted.hift_rows(t.held)
+            slotted = at.held_in_slots(t, ours, voice, batch, graphs)
             timed("ours, slots", f"later, {t.held} held", batch, calls["later"], slotted)
             del slotted  # its graphs go now, not inside another's capture (close)
     out = {
