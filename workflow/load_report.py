@@ -46,9 +46,13 @@ def host_cell(h: dict | None) -> str:
     return f"{h.get('decode', 0.0):.2f} / {h.get('detokenize', 0.0) + h.get(FIRST, 0.0):.2f}"
 
 
-def parts_cell(parts: dict | None) -> str:
-    """The slowest tenth's time to first audio by part, in order (queued, first chunk, its PCM); '-': none."""
-    return " / ".join(f"{v:.0f}" for v in parts.values()) if parts else "-"
+def parts_cell(lv: dict) -> str:
+    """A level's time to first audio by part, in order (queued, first chunk, its PCM): each part's p50, then the
+    slowest tenth's (its requests' means); '-': none (a file from before the p50s: the slowest tenth's alone)."""
+    slowest = " / ".join(f"{v:.0f}" for v in s.values()) if (s := lv.get("slowest_ttfa_parts_ms")) else "-"
+    if not (parts := lv.get("ttfa_parts_ms")):
+        return slowest
+    return " / ".join(f"{v['p50']:.0f}" for v in parts.values()) + f" · {slowest}"
 
 
 def lower_bound(load: dict) -> bool:
@@ -91,12 +95,12 @@ def load_markdown(load: dict) -> list[str]:
         "step's launch and in the detokenizer's (both lanes), its one thread; streams: decoded a step on average "
         "(with pace, not those sitting out), the most open at once, and the most allowed (the engine's slots, load.slots and the "
         "detokenizer's flow slots); queued: arrival to admission; the slowest tenth's time to first audio (its "
-        "requests' means): queued, then to its first audible chunk's sending (prefill, decode steps), then to that "
-        "chunk's PCM (the detokenizer).",
+        "requests' means) after each part's p50: queued, then to its first audible chunk's sending (prefill, decode "
+        "steps), then to that chunk's PCM (the detokenizer).",
         "",
         "| traffic | offered streams | requests | TTFA ms p50 / p90 / p99 | underruns (stalled s) | codes/s | busy | "
         "device: prefill / sample / decode / detok. (first) | host: decode / detok. | streams: mean / most / allowed "
-        "| queued ms p99 | slowest tenth ms: queued / chunk / PCM | refused / failed |",
+        "| queued ms p99 | TTFA parts ms, p50 · slowest tenth: queued / chunk / PCM | refused / failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     levels = sorted(load["levels"], key=lambda lv: (lv["kind"], lv["value"]))  # closed, then open; searched levels in place
@@ -110,7 +114,7 @@ def load_markdown(load: dict) -> list[str]:
             f"| {host_cell(lv.get('host_busy'))} "
             f"| {lv['mean_active_slots']:.1f} / {lv.get('peak_streams', '-')} / {lv['max_streams']} "
             f"| {lv['queued_ms']['p99']:.1f} "
-            f"| {parts_cell(lv.get('slowest_ttfa_parts_ms'))} "
+            f"| {parts_cell(lv)} "
             f"| {lv['refused']} / {lv['failed']} |"
         )
     priced = [lv for lv in levels if lv.get("device_alone")]
