@@ -48,9 +48,9 @@
 # 128 users, took 510 s in H200 run 20, its call 515 s; gpu_pipeline.sh starts no searched level that would end
 # within 60 s of the stage, load.search_until_s, so a long search ends with a lower bound, not a cut call) and,
 # before call 4, what the session's device time has left (FP8's took 375 s in run 20, its call 380 s; the four
-# calls held the machine 1,424 s, leaving ~370 s of a session for one paired probe, p3, on the engines built). The CUDA tests run in calls 3 and
-# 4 beside the other precision's benchmark, never in a call of their own: in call 1 beside download and
-# convert (~115 s) they held the machine ~140 s longer.
+# calls held the machine 1,424 s, leaving ~370 s of a session for one paired probe, p3, on the engines built).
+# The CUDA tests run in calls 3 and 4 beside the other precision's benchmark, never in a call of their own: in
+# call 1 beside download and convert (~115 s) they held the machine ~140 s longer.
 #
 # Why two GPUs: the session's device time counts the machine's held time, not its GPUs, and one after the
 # other the two precisions hold a machine ~2,500 s, more than a session has; side by side they hold it
