@@ -67,7 +67,7 @@ set -euo pipefail
 # the flow slots' beside FP8's benchmark in call 4, each cut at its call's stage
 FIRST_TESTS=(tests/test_gemv.py::test_bf16_rounds_like_torch tests/test_gemv.py::test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch
              tests/test_quant.py tests/test_codec_slots.py tests/test_codec_batch.py)
-CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py)
+CODEC_TESTS=(tests/test_codec_kernels.py tests/test_codec_stream.py tests/test_codec_timing.py tests/test_codec_fast.py tests/test_cudagraphs.py tests/test_greenctx.py)
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 one=${PROBE_ONE:-fp8}  # one GPU: the precision an A/B builds and probes
 # side <gpu> <precision> [rule]: gpu_pipeline.sh on GPU i with the i-th half of the cores (one GPU: all of them)

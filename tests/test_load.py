@@ -15,7 +15,7 @@ from workflow.cudagraphs import Graphs
 from workflow.engines import load_engine
 from workflow.engines.slots import slot_memory
 from workflow.generate import Ids, Sampling
-from workflow.serve import alone, figures, load
+from workflow.serve import alone, figures, load, search
 from workflow.serve.request import Request, ServeConfig, pcm_rate
 from workflow.serve.scheduler import Iteration, Scheduler
 from workflow.serve.waits import Counts
@@ -421,7 +421,7 @@ def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_th
     step, most = 4, 256
     held = {n: n <= most_users for n in (4, 8, 16, 32)}
     runs = 0
-    while (n := load.next_search_level(held, step, most, within)) is not None:
+    while (n := search.next_search_level(held, step, most, within)) is not None:
         assert n not in held and 0 < n <= most
         held[n], runs = n <= most_users, runs + 1
     lo = max((n for n, ok in held.items() if ok), default=0)
@@ -435,11 +435,11 @@ def test_the_search_pins_streams_at_the_slo_between_a_level_that_held_and_one_th
 
 def test_the_search_keeps_the_largest_level_that_held_and_searches_above_it():
     """A noisy grid (8 failed, 16 held): the search goes on above 16, not below 8."""
-    assert load.next_search_level({4: True, 8: False, 16: True, 32: False}, 4, 256) == 24
-    assert load.next_search_level({4: True, 8: True}, 4, 256) == 16  # every level held: twice the largest
-    assert load.next_search_level({4: True, 8: True}, 4, 8) is None  # ... up to search_max
-    assert load.next_search_level({64: True, 128: False, 96: False, 80: True}, 4, 128) is None  # 16 <= 80 / 4
-    assert load.next_search_level({64: True, 128: False, 96: False, 80: True}, 4, 128, 0.125) == 88  # H200 run 19's FP8
+    assert search.next_search_level({4: True, 8: False, 16: True, 32: False}, 4, 256) == 24
+    assert search.next_search_level({4: True, 8: True}, 4, 256) == 16  # every level held: twice the largest
+    assert search.next_search_level({4: True, 8: True}, 4, 8) is None  # ... up to search_max
+    assert search.next_search_level({64: True, 128: False, 96: False, 80: True}, 4, 128) is None  # 16 <= 80 / 4
+    assert search.next_search_level({64: True, 128: False, 96: False, 80: True}, 4, 128, 0.125) == 88  # H200 run 19's FP8
 
 
 def test_the_load_benchmark_searches_past_its_levels(monkeypatch):

@@ -17,6 +17,10 @@ captured on one stream: the caching allocator reuses a freed block only on the s
 allocated it, so captures on fresh streams would each keep their own memory (hundreds of graphs,
 tens of GB). Graphs of different priorities may run at the same time (the detokenizer's lanes), so
 each priority has its own pool.
+
+`confine` puts chosen graphs on fewer SMs: a graph runs on the SMs of the stream it was captured on, wherever it
+is replayed (levers.md, "H200 codec beside decode"), so those are captured on a green context's stream
+(greenctx.py), in a pool of their own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 T = TypeVar("T")
 CAPTURE_PRIORITY = -2  # of the capture stream from the default stream: lower is higher; 0 the default
+CONFINED = "confined"  # the capture lane of the graphs `confine` picks
 
 
 def capture_priority(current: int) -> int:
@@ -43,7 +48,8 @@ class Graphs:
         self.device = device
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
         self.warm_up: torch.cuda.Stream | None = None
-        self.capture: dict[int, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority -> stream, pool
+        self.capture: dict[int | str, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority or CONFINED -> stream, pool
+        self.confined: tuple[torch.cuda.Stream, Callable[[Hashable], bool]] | None = None  # (`confine`)
         self.inputs: dict[Hashable, list[torch.Tensor]] = {}  # call's static input buffers, by key
         self.captured, self.capture_s = 0, 0.0  # graphs captured so far, and the host's seconds in it
         self.replay_s = 0.0  # the host's seconds in replays' launches: one blocks while the device's queue is full
@@ -71,6 +77,13 @@ class Graphs:
             del self.graphs[key]
             self.inputs.pop(key, None)
 
+    def confine(self, stream: torch.cuda.Stream | None, which: Callable[[Hashable], bool]) -> None:
+        """From now on the graphs whose keys `which` picks are captured on `stream` (a green context's), None: as
+        any other. Those made already are dropped, to be captured again when next asked for."""
+        self.drop(which)
+        self.capture.pop(CONFINED, None)
+        self.confined = None if stream is None else (stream, which)
+
     def run(self, key: Hashable, fn: Callable[[], T]) -> T:
         """fn() replayed from the graph captured for `key` (captured now if new). fn runs three
         times on a new key (warm-up, capture, replay): whatever it writes must be the same each
@@ -84,13 +97,16 @@ class Graphs:
                 fn()
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            priority = capture_priority(current.priority)
-            if priority not in self.capture:
-                self.capture[priority] = (torch.cuda.Stream(self.device, priority=priority), None)
-            stream, pool = self.capture[priority]
+            lane: int | str = capture_priority(current.priority)
+            if self.confined is not None and self.confined[1](key):
+                lane = CONFINED
+                self.capture.setdefault(lane, (self.confined[0], None))
+            if lane not in self.capture:
+                self.capture[lane] = (torch.cuda.Stream(self.device, priority=lane), None)
+            stream, pool = self.capture[lane]
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = fn()
-            self.capture[priority] = (stream, graph.pool())
+            self.capture[lane] = (stream, graph.pool())
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
             self.captured, self.capture_s = self.captured + 1, self.capture_s + time.perf_counter() - t0
         graph, out, _ = self.graphs[key]

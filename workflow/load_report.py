@@ -21,6 +21,7 @@ def _prepared(made: dict | None) -> str:
         f" Made ahead of the levels: {made['engine_graphs']} engine graphs{engine} and {made['detokenizer_batches']} "
         f"detokenizer batches in {made['seconds']:.0f} s in all{held}."
         + (f" The detokenizer's seconds by batch rows, flows + pieces: {rows}." if rows else "")
+        + (f" Decode steps on {made['decode_sms']} of the GPU's SMs (a green context)." if made.get("decode_sms") else "")
         + _memory(made.get("memory"))
     )
 

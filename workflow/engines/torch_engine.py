@@ -26,11 +26,14 @@ position owed, at once, like a prefill continuing the cache: one read of the bra
 (1.5 GB in bf16) per spoken reply instead of one per audio step; each row keeps its own count of
 positions filled. Every logit the loop reads is the same function; only when the text cache is
 filled changes.
+
+`confine` puts the decode steps' graphs (and the text catch-ups') on a green context of fewer SMs,
+the admissions' staying on all: serving's detokenizer keeps the rest while decode runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow import trtckpt
-from workflow.cudagraphs import Graphs
+from workflow.cudagraphs import CAPTURE_PRIORITY, Graphs
 from workflow.engines import ahead, blocks
 from workflow.engines.base import Engine, any_text, merged_ids, to_device
 from workflow.engines.layer import At, Layer, LayerConfig, layer_step
@@ -46,6 +49,7 @@ from workflow.engines.linears import Linear, layer_linears, project
 from workflow.engines.options import EngineOptions
 from workflow.engines.slots import Slots, step_bucket
 from workflow.engines.tuning import tune
+from workflow.greenctx import GreenStream, green_stream
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
@@ -118,6 +122,7 @@ class TorchEngine(Engine, nn.Module):
         self.admit_rows = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)  # the admit graphs' input
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
+        self.green: GreenStream | None = None  # where decode's graphs run (`confine`); None: the whole GPU
         self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
         self.defer_text_fill = options.defer_text_fill
         self.held: torch.Tensor | None = None  # [max_batch, max_seq_len, hidden], made by the first step that defers
@@ -245,6 +250,17 @@ class TorchEngine(Engine, nn.Module):
         for t in [*self.caches(), self.pos, *([] if self.held is None else [self.held])]:
             t[dst] = t[src]
 
+    def confine(self, sms: int, setting: str = "decode_sms") -> int:
+        """Decode steps and text catch-ups on `sms` SMs from now on (0: all): their graphs captured on a
+        green context's stream, those made before dropped where that changes; the SMs they have (0: all).
+        Without graphs (off CUDA, or `cuda_graphs` off) nothing changes."""
+        if self.graphs is None:
+            return 0
+        if sms != (self.green.asked if self.green else 0):
+            self.green = green_stream(self.device, sms, CAPTURE_PRIORITY, setting) if sms else None
+            self.graphs.confine(self.green.stream if self.green else None, decode_work)
+        return self.green.sms if self.green else 0
+
     def capture(self, rows: int, shortest: int, admissions: Sequence[tuple[int, int]] = ()) -> int:
         """Serving's graphs made ahead (`ahead.capture`); the number captured."""
         return ahead.capture(self, rows, shortest, admissions)
@@ -304,6 +320,11 @@ class TorchEngine(Engine, nn.Module):
             static.copy_(tokens)
         text, audio = self.graphs.run((shape, *key), lambda: fn(static))
         return (None if text is None else text.clone()), audio.clone()
+
+
+def decode_work(key: Hashable) -> bool:
+    """Whether a graph's key (`_run`'s, `_fill_text`'s) is a decode step's or a text catch-up's, not an admission's."""
+    return isinstance(key, tuple) and (key[0] == "catch-up" or key[1] == "step")
 
 
 def attention_mask(pos: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ from workflow.serve import alone
 from workflow.serve.figures import TTFA_PARTS, Record, playback_end, slow_iterations, slowest_parts, timeline, underruns
 from workflow.serve.request import Detokenize, Request, ServeConfig, pcm_rate
 from workflow.serve.scheduler import Scheduler
+from workflow.serve.search import WITHIN, holds, next_search_level, past_budget
 from workflow.serve.waits import Waits
 from workflow.vocoder import SECONDS_PER_TOKEN
 
@@ -72,13 +73,14 @@ class LoadConfig:
     first_chunks_apart: bool = True  # a stream's chunks at once, on the urgent lane, until it has a chunk's audio (ServeConfig)
     urgent_batches: int = 0  # > 0: urgent batches running at once; new urgent chunks wait, then go together (ServeConfig)
     later_below_decode: bool = False  # the detokenizer's later lane one priority below the decode graphs (lane_priorities)
+    decode_sms: int = 0  # > 0: the engine's decode steps on this many SMs (TorchEngine.confine), the codec's on all
     pace: float = 0.0  # >= 1: a stream past its first PCM decoded only to this many times real time (ServeConfig; 0: off)
     pace_lead_s: float = 1.0  # with pace: the audio kept ahead of that (ServeConfig)
     first_audio_lead_s: float = 0.0  # > 0: while a stream makes its first chunk, those this far ahead sit out (ServeConfig)
     seed: int = 9101
     search_step: int = 0  # > 0: closed levels after the given ones, until streams at the SLO is known this closely
     search_max: int = 256  # the most users the search offers
-    search_within: float = 0.25  # the search ends once the answer is known to within this share of it (or search_step)
+    search_within: float = WITHIN  # the search ends once the answer is known to within this share of it (or search_step)
     search_until_s: float = 0.0  # > 0: no searched level that would end past this many seconds of the benchmark's run
 
     @property
@@ -99,40 +101,13 @@ class LoadConfig:
             raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
         tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
         cfg = cls(**(d | tuples))
+        if cfg.decode_sms < 0:
+            raise ValueError(f"benchmark.load: decode_sms {cfg.decode_sms}: a count of SMs, or 0 for all of them")
         try:  # the scheduler's settings refused as the benchmark starts, not at its first level
             cfg.serve_config(1, Sampling())
         except ValueError as e:
             raise ValueError(f"benchmark.load: {e}") from None
         return cfg
-
-
-def holds(level: dict, slo_ms: float) -> bool:
-    """A level at the SLO: TTFA p99 within it, no underrun, no failed stream."""
-    return level["ttfa_ms"]["p99"] <= slo_ms and not level["underruns"] and not level["failed"]
-
-
-def past_budget(cfg: LoadConfig, levels: list[dict], at_s: float, n: int) -> dict | None:
-    """Where the search stops for `search_until_s`: `at_s` into the benchmark, the level of n users would end
-    past it (a level taking the levels so far's mean wall time); None: it runs (or no budget is set)."""
-    if not cfg.search_until_s:
-        return None
-    level_s = sum(lv["wall_s"] for lv in levels) / len(levels) if levels else cfg.duration_s
-    return {"next": n, "at_s": at_s, "level_s": level_s} if at_s + level_s > cfg.search_until_s else None
-
-
-def next_search_level(held: dict[int, bool], step: int, most: int, within: float = LoadConfig.search_within) -> int | None:
-    """The closed level (users) to run next, from those run ({users: held the SLO}), or None when the
-    answer is known: lo, the most users that held, and hi, the fewest above lo that did not. While
-    no level above lo failed, twice lo (at most `most`); else halfway, in multiples of `step`, until
-    hi - lo is at most `step` or `within` of lo."""
-    lo = max((n for n, ok in held.items() if ok), default=0)
-    above = [n for n, ok in held.items() if n > lo]  # all failed: lo is the most that held
-    if not above:
-        return min(2 * lo, most) if 0 < lo < most else None
-    hi = min(above)
-    if hi - lo <= max(step, int(lo * within)):
-        return None
-    return lo + max(1, (hi - lo) // 2 // step * step)
 
 
 class Level:
@@ -305,6 +280,9 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     reserved = torch.cuda.memory_reserved(engine.device) if cuda else 0
     if engine.active():  # what ran before (the streams benchmark) ends: the load starts from free slots
         engine.release(engine.active())
+    if (confine := getattr(engine, "confine", None)) is None and cfg.decode_sms:
+        raise ValueError(f"benchmark.load.decode_sms: {type(engine).__name__}'s decode steps cannot be confined")
+    sms = confine(cfg.decode_sms, "benchmark.load.decode_sms") if confine else 0  # before its graphs: they run where made
     if capture := getattr(engine, "capture", None):
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(0, cfg.prompt_len, admissions)  # admissions alone first: their part of the time
@@ -325,7 +303,8 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     memory = marks.split()
     gc.freeze()  # Python's full collections walk only what comes after (`run` unfreezes it)
     made = {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
-            "admission_seconds": t_admit, "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count()}  # fmt: skip
+            "admission_seconds": t_admit, "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count(),
+            "decode_sms": sms}  # fmt: skip
     if by_rows := getattr(detokenize, "warm_s", None):
         made["detokenizer_seconds"] = {str(n): s for n, s in by_rows.items()}
     return made | {"memory": memory} if memory else made
