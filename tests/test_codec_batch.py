@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workflow.codec.batch import CodecBatch
 from workflow.codec.decoder import CodecDecoder, VoicePrompt
 from workflow.codec.lanes import CodecLanes
+from workflow.cudagraphs import CONFINED
 from workflow.detokenize import Piece
 from workflow.engines import load_engine
 from workflow.generate import Ids, Sampling
@@ -373,8 +374,8 @@ def test_serving_with_the_codec_decoder_times_each_stream_from_its_first_pcm(tin
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
-@pytest.mark.parametrize("slots", [0, 4])
-def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch, slots):
+@pytest.mark.parametrize("slots, later_sms", [(0, 0), (4, 0), (4, 32)])
+def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(decoder, voice, monkeypatch, slots, later_sms):
     """Serving's lanes on CUDA: the flow and HiFT's network replayed from a graph per shape and lane
     (all made ahead by `warm`), a stream's pieces on the urgent lane until it has a chunk's audio (here its
     first three: the first PCM, after 6 codes, is 80 ms) and the rest on the other, the
@@ -383,7 +384,8 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
     makes the later lane's solves at both of `frames_a_call`). Then every graph they replayed is priced
     alone, replayed by itself as the load does once its levels end (serve/alone.py), and the same streams
     served again still give what they give alone: those replays wrote only what ended streams held.
-    TF32 off: the tolerance is float32's."""
+    With `later_sms` the later lane's graphs, and only those, are captured on a green context of so many SMs
+    (`confine_later`). TF32 off: the tolerance is float32's."""
     import copy
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -399,7 +401,11 @@ def test_on_cuda_the_lanes_and_their_graphs_give_what_each_stream_gives_alone(de
         dev, time.perf_counter,
         sink=lambda key, pcm: got.setdefault(key, []).append(pcm),
     )  # fmt: skip
+    assert lanes.confine_later(later_sms) >= later_sms
     assert lanes.warm(4, 5, 30) > 0 and not lanes.batch.streams and lanes.lanes
+    if later_sms:  # each graph in the confined pool exactly where its key is the later lane's
+        pool, later = lanes.batch.graphs.capture[CONFINED][1], lanes.priorities["later"]
+        assert all((g.pool() == pool) == (k[-1] == later) for k, (g, _, _) in lanes.batch.graphs.graphs.items())
     graphs = len(lanes.batch.graphs.graphs)
     g = torch.Generator().manual_seed(3)
     lengths, chunk = {1: 26, 2: 17, 3: 30}, 5

@@ -1,6 +1,7 @@
-"""Decode on fewer SMs (greenctx.py, `Graphs.confine`, `TorchEngine.confine`, `benchmark.load.decode_sms`): a graph
-runs on the SMs of the stream it was captured on, the engine serves the same tokens with its decode confined, and
-what cannot be confined is refused. The CUDA parts run on the GPU machine only: `pytest tests/test_greenctx.py`."""
+"""Graphs on fewer SMs (greenctx.py, `Graphs.confine`, `TorchEngine.confine`, `benchmark.load.decode_sms` and
+`later_sms`; the codec's later lane in tests/test_codec_batch.py): a graph runs on the SMs of the stream it was
+captured on, the engine serves the same tokens with its decode confined, and what cannot be confined is refused.
+The CUDA parts run on the GPU machine only: `pytest tests/test_greenctx.py`."""
 
 import sys
 
@@ -26,16 +27,22 @@ def test_a_green_stream_without_cuda_python_names_the_setting_and_the_package(mo
         green_stream(torch.device("cuda"), 64, -2, "benchmark.load.decode_sms")
 
 
-def test_the_load_refuses_decode_sms_it_cannot_apply(tiny_engine_dir):
-    """A negative count as the config is read; an engine with no `confine` (TensorRT-LLM's) before any graph is
-    made. The torch engine off CUDA has no graphs to confine: its decode runs where it runs."""
+def test_the_load_refuses_counts_of_sms_it_cannot_apply(tiny_engine_dir):
+    """A negative count as the config is read; `decode_sms` for an engine with no `confine` (TensorRT-LLM's) and
+    `later_sms` with no detokenizer, before any graph is made. The torch engine off CUDA has no graphs to confine:
+    its decode runs where it runs."""
     with pytest.raises(ValueError, match=r"benchmark\.load: decode_sms -8"):
         load.LoadConfig.from_dict({"decode_sms": -8})
+    with pytest.raises(ValueError, match=r"benchmark\.load: later_sms -1"):
+        load.LoadConfig.from_dict({"later_sms": -1})
     engine = type("Engine", (), {"device": torch.device("cpu"), "active": lambda self: []})()
-    with pytest.raises(ValueError, match=r"benchmark\.load\.decode_sms: Engine's decode steps cannot be confined"):
+    with pytest.raises(ValueError, match=r"benchmark\.load\.decode_sms: Engine has no graphs to run on fewer SMs"):
         load.prepare(engine, None, load.LoadConfig(decode_sms=64), 5)
+    with pytest.raises(ValueError, match=r"later_sms: a run with no detokenizer has no graphs to run"):
+        load.prepare(load_engine(tiny_engine_dir), None, load.LoadConfig(later_sms=64), 5)  # no detokenizer
     try:
-        assert load.prepare(load_engine(tiny_engine_dir), None, load.LoadConfig(decode_sms=64), 5)["decode_sms"] == 0
+        made = load.prepare(load_engine(tiny_engine_dir), None, load.LoadConfig(decode_sms=64), 5)
+        assert made["decode_sms"] == made["later_sms"] == 0
     finally:
         __import__("gc").unfreeze()
 
@@ -63,11 +70,10 @@ def sm_ids_kernel():
 def test_a_graph_runs_on_the_sms_of_the_stream_it_was_captured_on():
     """Thousands of programs, each noting its SM: eager on a green stream of 32 SMs, and from a graph `confine`
     put on that stream but replayed on the default stream, they ran on at most 32 SMs; from a graph captured on
-    a stream of the whole GPU, on more. `confine(None)` puts the chosen keys back on the whole GPU."""
+    a stream of the whole GPU, on more. Asked again for as many, `confine` keeps its context; `confine(0)` puts
+    the chosen keys back on the whole GPU."""
     device = torch.device("cuda")
     kernel, total = sm_ids_kernel(), torch.cuda.get_device_properties(device).multi_processor_count
-    green = green_stream(device, 32, -2)
-    assert green.asked == 32 and 32 <= green.sms < total
     out = torch.empty(64 * total, dtype=torch.int32, device=device)
 
     def launch() -> torch.Tensor:
@@ -78,19 +84,21 @@ def test_a_graph_runs_on_the_sms_of_the_stream_it_was_captured_on():
         torch.cuda.synchronize()
         return len(out.unique())
 
+    graphs = Graphs(device)
+    assert 32 <= graphs.confine(32, lambda key: key == "confined") < total
+    green = graphs.green
+    assert green.asked == 32 and graphs.confine(32, lambda key: key == "confined") == green.sms and graphs.green is green
     with torch.cuda.stream(green.stream):
         launch()
     assert used() <= green.sms
-    graphs = Graphs(device)
-    graphs.confine(green.stream, lambda key: key == "confined")
     graphs.run("confined", launch)
     assert used() <= green.sms
     graphs.run("whole", launch)
     assert used() > green.sms
     graphs.run("confined", launch)
     assert used() <= green.sms and set(graphs.capture) == {CONFINED, -2}
-    graphs.confine(None, lambda key: key == "confined")
-    assert "confined" not in graphs.graphs and CONFINED not in graphs.capture
+    assert graphs.confine(0, lambda key: key == "confined") == 0
+    assert "confined" not in graphs.graphs and CONFINED not in graphs.capture and graphs.green is None
     graphs.run("confined", launch)
     assert used() > green.sms
 

@@ -32,6 +32,8 @@ from typing import TypeVar
 
 import torch
 
+from workflow.greenctx import GreenStream, green_stream
+
 T = TypeVar("T")
 CAPTURE_PRIORITY = -2  # of the capture stream from the default stream: lower is higher; 0 the default
 CONFINED = "confined"  # the capture lane of the graphs `confine` picks
@@ -49,7 +51,8 @@ class Graphs:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object, Callable]] = {}
         self.warm_up: torch.cuda.Stream | None = None
         self.capture: dict[int | str, tuple[torch.cuda.Stream, tuple | None]] = {}  # priority or CONFINED -> stream, pool
-        self.confined: tuple[torch.cuda.Stream, Callable[[Hashable], bool]] | None = None  # (`confine`)
+        self.green: GreenStream | None = None  # where the graphs `confined` picks are captured (`confine`)
+        self.confined: Callable[[Hashable], bool] | None = None
         self.inputs: dict[Hashable, list[torch.Tensor]] = {}  # call's static input buffers, by key
         self.captured, self.capture_s = 0, 0.0  # graphs captured so far, and the host's seconds in it
         self.replay_s = 0.0  # the host's seconds in replays' launches: one blocks while the device's queue is full
@@ -77,12 +80,16 @@ class Graphs:
             del self.graphs[key]
             self.inputs.pop(key, None)
 
-    def confine(self, stream: torch.cuda.Stream | None, which: Callable[[Hashable], bool]) -> None:
-        """From now on the graphs whose keys `which` picks are captured on `stream` (a green context's), None: as
-        any other. Those made already are dropped, to be captured again when next asked for."""
-        self.drop(which)
-        self.capture.pop(CONFINED, None)
-        self.confined = None if stream is None else (stream, which)
+    def confine(self, sms: int, which: Callable[[Hashable], bool], priority: int = CAPTURE_PRIORITY, setting: str = "sms") -> int:
+        """From now on the graphs whose keys `which` picks run on `sms` of the GPU's SMs (0: all of them): captured
+        at `priority` on the stream of a green context of that many. Where the count changes, those made already
+        are dropped, to be captured again when next asked for. The SMs they have (as the driver rounds `sms`)."""
+        if sms != (self.green.asked if self.green else 0):
+            self.drop(which)
+            self.capture.pop(CONFINED, None)
+            self.green = green_stream(self.device, sms, priority, setting) if sms else None
+            self.confined = which if sms else None
+        return self.green.sms if self.green else 0
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> T:
         """fn() replayed from the graph captured for `key` (captured now if new). fn runs three
@@ -98,9 +105,9 @@ class Graphs:
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             lane: int | str = capture_priority(current.priority)
-            if self.confined is not None and self.confined[1](key):
+            if self.green is not None and self.confined is not None and self.confined(key):
                 lane = CONFINED
-                self.capture.setdefault(lane, (self.confined[0], None))
+                self.capture.setdefault(lane, (self.green.stream, None))
             if lane not in self.capture:
                 self.capture[lane] = (torch.cuda.Stream(self.device, priority=lane), None)
             stream, pool = self.capture[lane]

@@ -22,6 +22,7 @@ def _prepared(made: dict | None) -> str:
         f"detokenizer batches in {made['seconds']:.0f} s in all{held}."
         + (f" The detokenizer's seconds by batch rows, flows + pieces: {rows}." if rows else "")
         + (f" Decode steps on {made['decode_sms']} of the GPU's SMs (a green context)." if made.get("decode_sms") else "")
+        + (f" The detokenizer's later lane on {made['later_sms']} of its SMs." if made.get("later_sms") else "")
         + _memory(made.get("memory"))
     )
 

@@ -38,6 +38,15 @@ class CodecLanes(Lanes):
         self.ends: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # each lane's last batch
         self.warm_s: dict[int, dict[str, float]] = {}  # the last `warm`'s seconds by batch rows: its flows', its pieces'
 
+    def confine_later(self, sms: int, setting: str = "later_sms") -> int:
+        """The later lane's graphs on `sms` SMs from now on, 0: all (`Graphs.confine`): a held batch has its
+        slack, while decode steps and first calls, which time to first audio waits on, keep the rest to
+        themselves. The SMs they have. Without graphs (off CUDA) nothing changes."""
+        if self.batch.graphs is None or not self.lanes:
+            return 0
+        later = self.priorities["later"]  # the last part of each of the batch's graph keys: the lane's
+        return self.batch.graphs.confine(sms, lambda key: isinstance(key, tuple) and key[-1] == later, later, setting)
+
     def _run(self, pieces: list[Piece]) -> list[int]:
         if self.lanes:
             self._claim(pieces)

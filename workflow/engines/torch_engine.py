@@ -49,7 +49,6 @@ from workflow.engines.linears import Linear, layer_linears, project
 from workflow.engines.options import EngineOptions
 from workflow.engines.slots import Slots, step_bucket
 from workflow.engines.tuning import tune
-from workflow.greenctx import GreenStream, green_stream
 from workflow.names import layer_plan
 from workflow.spec import ModelSpec
 
@@ -122,7 +121,6 @@ class TorchEngine(Engine, nn.Module):
         self.admit_rows = torch.zeros(options.max_batch, 1, dtype=torch.long, device=dev)  # the admit graphs' input
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = Graphs(self.device) if self.use_graphs else None
-        self.green: GreenStream | None = None  # where decode's graphs run (`confine`); None: the whole GPU
         self.static_tokens: dict[tuple[int, ...], tuple] = {}  # shape -> graph input, pinned host buffer, copy event
         self.defer_text_fill = options.defer_text_fill
         self.held: torch.Tensor | None = None  # [max_batch, max_seq_len, hidden], made by the first step that defers
@@ -251,15 +249,9 @@ class TorchEngine(Engine, nn.Module):
             t[dst] = t[src]
 
     def confine(self, sms: int, setting: str = "decode_sms") -> int:
-        """Decode steps and text catch-ups on `sms` SMs from now on (0: all): their graphs captured on a
-        green context's stream, those made before dropped where that changes; the SMs they have (0: all).
-        Without graphs (off CUDA, or `cuda_graphs` off) nothing changes."""
-        if self.graphs is None:
-            return 0
-        if sms != (self.green.asked if self.green else 0):
-            self.green = green_stream(self.device, sms, CAPTURE_PRIORITY, setting) if sms else None
-            self.graphs.confine(self.green.stream if self.green else None, decode_work)
-        return self.green.sms if self.green else 0
+        """Decode steps and text catch-ups on `sms` SMs from now on, 0: all (`Graphs.confine`); the SMs they
+        have. Without graphs (off CUDA, or `cuda_graphs` off) nothing changes."""
+        return self.graphs.confine(sms, decode_work, CAPTURE_PRIORITY, setting) if self.graphs else 0
 
     def capture(self, rows: int, shortest: int, admissions: Sequence[tuple[int, int]] = ()) -> int:
         """Serving's graphs made ahead (`ahead.capture`); the number captured."""

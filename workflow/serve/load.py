@@ -74,6 +74,7 @@ class LoadConfig:
     urgent_batches: int = 0  # > 0: urgent batches running at once; new urgent chunks wait, then go together (ServeConfig)
     later_below_decode: bool = False  # the detokenizer's later lane one priority below the decode graphs (lane_priorities)
     decode_sms: int = 0  # > 0: the engine's decode steps on this many SMs (TorchEngine.confine), the codec's on all
+    later_sms: int = 0  # > 0: the detokenizer's later lane on this many SMs (CodecLanes.confine_later), the rest on all
     pace: float = 0.0  # >= 1: a stream past its first PCM decoded only to this many times real time (ServeConfig; 0: off)
     pace_lead_s: float = 1.0  # with pace: the audio kept ahead of that (ServeConfig)
     first_audio_lead_s: float = 0.0  # > 0: while a stream makes its first chunk, those this far ahead sit out (ServeConfig)
@@ -101,8 +102,9 @@ class LoadConfig:
             raise ValueError(f"benchmark.load: unknown key(s) {', '.join(unknown)}")
         tuples = {k: tuple(v) for k, v in d.items() if isinstance(v, list)}
         cfg = cls(**(d | tuples))
-        if cfg.decode_sms < 0:
-            raise ValueError(f"benchmark.load: decode_sms {cfg.decode_sms}: a count of SMs, or 0 for all of them")
+        for name in ("decode_sms", "later_sms"):
+            if getattr(cfg, name) < 0:
+                raise ValueError(f"benchmark.load: {name} {getattr(cfg, name)}: a count of SMs, or 0 for all of them")
         try:  # the scheduler's settings refused as the benchmark starts, not at its first level
             cfg.serve_config(1, Sampling())
         except ValueError as e:
@@ -280,9 +282,12 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     reserved = torch.cuda.memory_reserved(engine.device) if cuda else 0
     if engine.active():  # what ran before (the streams benchmark) ends: the load starts from free slots
         engine.release(engine.active())
-    if (confine := getattr(engine, "confine", None)) is None and cfg.decode_sms:
-        raise ValueError(f"benchmark.load.decode_sms: {type(engine).__name__}'s decode steps cannot be confined")
-    sms = confine(cfg.decode_sms, "benchmark.load.decode_sms") if confine else 0  # before its graphs: they run where made
+    sms = {}  # before any graph is made: a graph runs on the SMs of the stream it was captured on
+    for name, owner, method in (("decode_sms", engine, "confine"), ("later_sms", detokenize, "confine_later")):
+        if (confine := getattr(owner, method, None)) is None and getattr(cfg, name):
+            who = type(owner).__name__ if owner is not None else "a run with no detokenizer"
+            raise ValueError(f"benchmark.load.{name}: {who} has no graphs to run on fewer SMs")
+        sms[name] = confine(getattr(cfg, name), f"benchmark.load.{name}") if confine else 0
     if capture := getattr(engine, "capture", None):
         admissions = [(b, cfg.prompt_len) for b in range(1, max(1, cfg.prefill_tokens // cfg.prompt_len) + 1)]
         graphs = capture(0, cfg.prompt_len, admissions)  # admissions alone first: their part of the time
@@ -304,7 +309,7 @@ def prepare(engine: Engine, detokenize: Detokenize | None, cfg: LoadConfig, chun
     gc.freeze()  # Python's full collections walk only what comes after (`run` unfreezes it)
     made = {"engine_graphs": graphs, "detokenizer_batches": calls, "seconds": took, "engine_seconds": t_engine,
             "admission_seconds": t_admit, "reserved_bytes": grown, "frozen_objects": gc.get_freeze_count(),
-            "decode_sms": sms}  # fmt: skip
+            **sms}  # fmt: skip
     if by_rows := getattr(detokenize, "warm_s", None):
         made["detokenizer_seconds"] = {str(n): s for n, s in by_rows.items()}
     return made | {"memory": memory} if memory else made
