@@ -11,12 +11,15 @@ chunk, streams that far ahead of their playback sit out), `load.urgent_batches` 
 an urgent batch runs wait, then go as one), `load.first_audio_first` (while a stream awaits its first audio,
 later chunks wait but for those due within the slack: the first call without a later batch beside it) and
 `load.prefill_tokens` (PROBE_PREFILL prompt tokens admitted an iteration: fewer prompts stretch each decode
-step). The "below" arms run last: their lane's graphs are new, in a pool of their own, which stays. A line
+step), `load.decode_sms` (PROBE_DECODE_SMS: the decode steps on a green context of that many SMs) and
+`load.later_sms` (PROBE_LATER_SMS: the detokenizer's later lane on that many). The "below" arms run last: their
+lane's graphs are new, in a pool of their own, which stays; an SMs arm drops its graphs and makes them again
+on its green context (and the arm after it, back on the whole GPU). A line
 per level as it ends, then every level's figures as JSON, memory after the graphs made ahead (`prepared`)
 included.
 
     PROBE_ARMS="base|join|least|first|urgent|audio_first|prefill|pace|below" PROBE_LEVELS=48,64 PROBE_JOIN=4 PROBE_LEAST=320 \
-        PROBE_FIRST_LEAD=1.5 PROBE_PACE=3 PROBE_LEAD=1.5 PROBE_PREFILL=512 \
+        PROBE_FIRST_LEAD=1.5 PROBE_PACE=3 PROBE_LEAD=1.5 PROBE_PREFILL=512 PROBE_DECODE_SMS=104 PROBE_LATER_SMS=64 \
         python benchmarks/probe_lanes.py <engine dir> <out.json> [config.yaml ...]
 """
 
@@ -43,10 +46,12 @@ PREFILL = {"prefill_tokens": int(os.environ.get("PROBE_PREFILL", "512"))}  # one
 LEAST = {"detokenize_least": int(os.environ.get("PROBE_LEAST", "320"))}  # h200.yaml: 8 streams' 8 held chunks
 FIRST = {"first_audio_lead_s": float(os.environ.get("PROBE_FIRST_LEAD", "1.5"))}  # streams this far ahead sit out
 URGENT = {"urgent_batches": 1}  # urgent chunks made while an urgent batch runs go as one
+SMS = {"decode_sms": int(os.environ.get("PROBE_DECODE_SMS", "104")), "later_sms": int(os.environ.get("PROBE_LATER_SMS", "64"))}
 ARMS = {"base": {}, "join": {"detokenize_join": JOIN}, "pace": PACE, "prefill": PREFILL, "least": LEAST,
         "first": FIRST, "urgent": URGENT, "first+urgent": FIRST | URGENT, "audio_first": {"first_audio_first": True},
         "join+prefill": {"detokenize_join": JOIN} | PREFILL, "below": {"later_below_decode": True},
-        "join+below": {"detokenize_join": JOIN, "later_below_decode": True}}  # fmt: skip
+        "join+below": {"detokenize_join": JOIN, "later_below_decode": True},
+        "decode_sms": {"decode_sms": SMS["decode_sms"]}, "later_sms": {"later_sms": SMS["later_sms"]}}  # fmt: skip
 ARMS = {k: v for k, v in ARMS.items() if k in os.environ.get("PROBE_ARMS", "|".join(ARMS)).split("|")}
 LEVELS = [int(n) for n in os.environ.get("PROBE_LEVELS", "48,64").split(",")]
 WATCH_S = float(os.environ.get("PROBE_WATCH_S", "420"))  # an arm's first prepare takes 150-300 s on an H200
