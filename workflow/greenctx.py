@@ -27,11 +27,11 @@ class GreenStream:
     context: object  # the driver's CUgreenCtx
 
 
-def _checked(result: tuple, what: str) -> object:
-    """A cuda-python call's value, or a one-line error naming the call."""
+def _checked(result: tuple, what: str, setting: str) -> object:
+    """A cuda-python call's value, or a one-line error naming the setting and the call."""
     err, *value = result
     if int(err):
-        raise RuntimeError(f"green context: {what} failed ({err})")
+        raise RuntimeError(f"{setting}: green context: {what} failed ({err})")
     return value[0] if len(value) == 1 else value
 
 
@@ -46,12 +46,13 @@ def green_stream(device: torch.device, sms: int, priority: int, setting: str = "
     if not 0 < sms < total:
         raise ValueError(f"{setting}: {sms} SMs; this GPU has {total}: give fewer, or 0 for all of them")
     torch.cuda.init()  # the driver initialised (cuInit) before its calls
-    dev = _checked(driver.cuDeviceGet(index), "cuDeviceGet")
-    whole = _checked(driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "reading its SMs")
-    groups, _, _ = _checked(driver.cuDevSmResourceSplitByCount(1, whole, 0, sms), f"splitting off {sms} SMs")
-    desc = _checked(driver.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc")
+    dev = _checked(driver.cuDeviceGet(index), "cuDeviceGet", setting)
+    whole = _checked(driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "its SMs", setting)
+    groups, _, _ = _checked(driver.cuDevSmResourceSplitByCount(1, whole, 0, sms), f"splitting off {sms} SMs", setting)
+    desc = _checked(driver.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc", setting)
     flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
-    context = _checked(driver.cuGreenCtxCreate(desc, dev, flags), "cuGreenCtxCreate")
-    raw = _checked(driver.cuGreenCtxStreamCreate(context, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, priority), "stream")
+    context = _checked(driver.cuGreenCtxCreate(desc, dev, flags), "cuGreenCtxCreate", setting)
+    nonblocking = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+    raw = _checked(driver.cuGreenCtxStreamCreate(context, nonblocking, priority), "cuGreenCtxStreamCreate", setting)
     stream = torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", index))
     return GreenStream(stream, sms, int(groups[0].sm.smCount), context)
