@@ -35,8 +35,8 @@ def _checked(result: tuple, what: str, setting: str) -> object:
     return value[0] if len(value) == 1 else value
 
 
-def green_stream(device: torch.device, sms: int, priority: int, setting: str = "decode_sms") -> GreenStream:
-    """A stream at `priority` whose kernels run on `sms` of `device`'s SMs (as the driver rounds it)."""
+def green_stream(device: torch.device, sms: int, priority: int, setting: str) -> GreenStream:
+    """A stream at `priority` whose kernels run on `sms` of `device`'s SMs (as the driver rounds it); errors name `setting`."""
     try:
         from cuda.bindings import driver
     except ImportError:
