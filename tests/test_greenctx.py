@@ -3,6 +3,7 @@
 captured on, the engine serves the same tokens with its decode confined, and what cannot be confined is refused.
 The CUDA parts run on the GPU machine only: `pytest tests/test_greenctx.py`."""
 
+import gc
 import sys
 
 import pytest
@@ -44,7 +45,7 @@ def test_the_load_refuses_counts_of_sms_it_cannot_apply(tiny_engine_dir):
         made = load.prepare(load_engine(tiny_engine_dir), None, load.LoadConfig(decode_sms=64), 5)
         assert made["decode_sms"] == made["later_sms"] == 0
     finally:
-        __import__("gc").unfreeze()
+        gc.unfreeze()
 
 
 def test_decode_work_is_the_steps_and_catch_ups_not_the_admissions():

@@ -1,10 +1,9 @@
 """A stream whose kernels run on only some of the GPU's SMs: a CUDA green context's (driver API, CUDA 12.4+).
 
-Serving's decode steps and the detokenizer's calls share the GPU. Beside decode steps run back to back, a
-stream's first codec call took 2.9x its time alone, and with decode held to 64 of an H200's 132 SMs 1.7x, the
-steps ~15 % slower (levers.md, "H200 codec beside decode"). A CUDA graph runs on the SMs of the stream it was
-captured on, wherever it is replayed (the same probe): so graphs meant for fewer SMs are captured on this stream
-(`cudagraphs.Graphs.confine`).
+Serving's decode steps and the detokenizer's calls share the GPU, and each stretches the other's time by taking
+its SMs (levers.md, "H200 codec beside decode"); a green context keeps one of them to some. A CUDA graph runs on
+the SMs of the stream it was captured on, wherever it is replayed (the same probe): so graphs meant for fewer SMs
+are captured on this stream (`cudagraphs.Graphs.confine`).
 
 Made through cuda-python's driver bindings (`cuda.bindings.driver`, the `cuda-bindings` package), which the
 GPU image has; PyTorch's own `torch.cuda.green_contexts` gives a stream only in recent versions."""
