@@ -104,6 +104,28 @@ def test_a_graph_runs_on_the_sms_of_the_stream_it_was_captured_on():
     assert used() > green.sms
 
 
+@needs_cuda
+def test_a_graph_the_green_context_cannot_make_names_the_setting():
+    """Work that fails only as it is captured on the green stream (as a launch the green context refuses would:
+    H200, `later_sms` 64 at the true shape) ends in one line naming the setting, the key and the SMs; the same
+    failure in a whole-GPU graph is left as it is."""
+    device = torch.device("cuda")
+    x = torch.zeros(8, device=device)
+
+    def fails_in_capture() -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("CUDA error: refused\nmore lines")
+        return x + 1
+
+    graphs = Graphs(device)
+    sms = graphs.confine(32, lambda key: key == "confined", setting="benchmark.load.later_sms")
+    said = rf"^benchmark\.load\.later_sms: confined's graph on {sms} SMs failed: CUDA error: refused$"
+    with pytest.raises(RuntimeError, match=said):
+        graphs.run("confined", fails_in_capture)
+    with pytest.raises(RuntimeError, match=r"^CUDA error: refused\nmore lines$"):
+        Graphs(device).run("whole", fails_in_capture)
+
+
 def serve_all(engine) -> list[list[int]]:
     """Seven greedy requests through the engine's four slots, arriving two iterations apart: their tokens."""
     ids = Ids.of(engine.spec)

@@ -111,8 +111,14 @@ class Graphs:
             if lane not in self.capture:
                 self.capture[lane] = (torch.cuda.Stream(self.device, priority=lane), None)
             stream, pool = self.capture[lane]
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = fn()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = fn()
+            except RuntimeError as e:  # a launch the green context refuses: say which setting asked for it
+                if lane != CONFINED or self.green is None:
+                    raise
+                what = str(e).strip().splitlines()[0]
+                raise RuntimeError(f"{self.green.setting}: {key}'s graph on {self.green.sms} SMs failed: {what}") from None
             self.capture[lane] = (stream, graph.pool())
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
             self.captured, self.capture_s = self.captured + 1, self.capture_s + time.perf_counter() - t0

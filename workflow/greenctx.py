@@ -24,6 +24,7 @@ class GreenStream:
     asked: int
     sms: int
     context: object  # the driver's CUgreenCtx
+    setting: str  # the setting that asked for it, named in errors
 
 
 def _checked(result: tuple, what: str, setting: str) -> object:
@@ -54,4 +55,4 @@ def green_stream(device: torch.device, sms: int, priority: int, setting: str) ->
     nonblocking = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
     raw = _checked(driver.cuGreenCtxStreamCreate(context, nonblocking, priority), "cuGreenCtxStreamCreate", setting)
     stream = torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", index))
-    return GreenStream(stream, sms, int(groups[0].sm.smCount), context)
+    return GreenStream(stream, sms, int(groups[0].sm.smCount), context, setting)
