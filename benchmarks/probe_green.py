@@ -7,7 +7,10 @@ two streams. Each arm in a process of its own (a CUDA error may leave the contex
 - `eager`: the confined graphs' work run eagerly on the green stream instead, with CUDA_LAUNCH_BLOCKING=1, so an
   op whose launch the green context refuses fails where it is called (the traceback names it);
 - `flags2`: the SMs split with CU_DEV_SM_RESOURCE_SPLIT_MAX_POTENTIAL_CLUSTER_SIZE;
-- `sdpa`: scaled_dot_product_attention kept to the memory-efficient and math backends.
+- `sdpa`: scaled_dot_product_attention kept to the memory-efficient and math backends;
+- `nopdl`: the slots' Triton kernels launched plainly, not as programmatic dependent launches;
+- `nokernels`, `nocompile`: `benchmark.codec.kernels` or `compile` off (the tiny preset's CUDA test, which passes,
+  has neither).
 
 A line an arm: ok, or the error and the workflow frames it passed through.
 
@@ -25,7 +28,7 @@ import torch
 import yaml
 from probe_lanes import merged
 
-ARMS = os.environ.get("PROBE_GREEN_ARMS", "capture,eager,flags2,sdpa").split(",")
+ARMS = os.environ.get("PROBE_GREEN_ARMS", "capture,eager,nopdl,nokernels,nocompile,sdpa,flags2").split(",")
 SMS = int(os.environ.get("PROBE_SMS", "64"))
 
 
@@ -38,6 +41,12 @@ def arm(name: str, configs: list[str]) -> None:
     for f in ["config/config.yaml", *configs]:
         cfg = merged(cfg, yaml.safe_load(Path(f).read_text()))
     p = cfg["benchmark"]
+    if name in ("nokernels", "nocompile"):
+        p["codec"] = p["codec"] | {name.removeprefix("no"): False}
+    if name == "nopdl":
+        from workflow.codec import kernels
+
+        kernels.dependent_launch = lambda x: False
     if name == "flags2":
         from cuda.bindings import driver
 
