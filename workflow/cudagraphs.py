@@ -118,7 +118,7 @@ class Graphs:
                 if lane != CONFINED or self.green is None:
                     raise
                 what = str(e).strip().splitlines()[0]
-                raise RuntimeError(f"{self.green.setting}: {key}'s graph on {self.green.sms} SMs failed: {what}") from None
+                raise RuntimeError(f"{self.green.setting}: {key}'s graph on {self.green.sms} SMs failed: {what}") from e
             self.capture[lane] = (stream, graph.pool())
             self.graphs[key] = (graph, out, fn)  # fn keeps alive whatever the graph reads
             self.captured, self.capture_s = self.captured + 1, self.capture_s + time.perf_counter() - t0
