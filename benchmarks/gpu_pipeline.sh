@@ -29,8 +29,10 @@
 # MOSSBUILD_STAGE_S sets that limit (default 560): lower it where less of the machine's hold is left
 # (the device tool gives a machine back after 30 minutes held; H100 run 9 in docs/levers.md).
 # Each call tars the small artifacts (verify.json, benchmark.*, plots, engine.json, amax.json,
-# rule TSVs, log tails) of all of results/ into $OUT/results-<precision>-<rule>.tgz;
-# benchmarks/collect.py then writes summary.json.
+# rule TSVs, log tails, the GEMV's timing cache) of all of results/ into $OUT/results-<precision>-<rule>.tgz;
+# benchmarks/collect.py then writes summary.json. full.yaml's engine.timing_cache, results/gemv-timing.json, keeps
+# the GEMV's tuned blocks by GPU: put the archive's copy in results/ and carry it (the device tool's `carry`, beside
+# .whl), and the next session's builds on that kind of GPU skip the tuning (~200 s of bf16's build on an H200).
 set -euo pipefail
 precision=$1
 until=${2:-}
@@ -70,7 +72,7 @@ run "${args[@]}" ${until:+--until "$until"}
 cd results  # the small artifacts, in one archive: the device tool returns a few files only
 stage_dir=$(mktemp -d)
 find . \( -name '*.tsv' -o -name 'verify*.json' -o -name 'benchmark*.json' -o -name 'benchmark.md' -o -name '*.png' \
-    -o -name engine.json -o -name amax.json -o -name quant_summary.txt \) -not -path '*/checkpoint/*' \
+    -o -name engine.json -o -name amax.json -o -name quant_summary.txt -o -name gemv-timing.json \) -not -path '*/checkpoint/*' \
     -not -path '*/dataset/*' -exec cp --parents {} "$stage_dir/" \;
 for log in $(find . -name '*.log'); do mkdir -p "$stage_dir/$(dirname "$log")"; tail -c 20000 "$log" > "$stage_dir/$log.tail"; done
 tar -czf "$OUT/results-$precision${until:+-$until}.tgz" -C "$stage_dir" .

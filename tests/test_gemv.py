@@ -223,6 +223,17 @@ def test_tuning_keeps_a_block_per_row_count_and_passes_over_what_cannot_launch(m
         assert tuned.block in real(use.k, use.weight_bytes, use.fuse, use.rows) and tuned.ms > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tuning times on a GPU")
+def test_tuning_times_only_what_the_timing_cache_lacks(monkeypatch):
+    """Blocks known for one weight (`engine.timing_cache`) are taken as they are; only the other weight's are timed."""
+    w1, w2 = ((torch.randn(n, 1024, device="cuda") / 32).to(torch.bfloat16) for n in (512, 768))
+    known = tuning.tune([(w1, Fuse.NORM)], reps=2)
+    timed, real = [], tuning.tune_use
+    monkeypatch.setattr(tuning, "tune_use", lambda w, fuse, m, *a: timed.append((w.shape[0], m)) or real(w, fuse, m, *a))
+    found = tuning.tune([(w1, Fuse.NORM), (w2, Fuse.NORM)], reps=2, known=known)
+    assert {use: found[use] for use in known} == known and sorted(timed) == [(768, m) for m in blocks.ROWS]
+
+
 def test_blocks_stored_as_ints_by_earlier_builds_still_load(tmp_path):
     """engine.json of earlier builds held `options.gemv_blocks`: (BLOCK_N, BLOCK_K, warps[, defer[,
     per_sm[, dot stages]]]), the body coded in the 4th to 6th int; upgrade names each body."""

@@ -2,9 +2,9 @@
 
 engine.json holds the engine's options (EngineOptions, as config gave them), the sha256 of the
 checkpoint it came from (so verify and benchmark refuse an engine built from another
-checkpoint), what build tuned on this GPU, the model spec and the versions. For the torch
-backend the directory holds the checkpoint's files as hard links (no 17 GB copy) and the build
-ends with a smoke run: one prefill whose logits must be finite.
+checkpoint), what build tuned on this GPU (or took from `engine.timing_cache`), the model spec
+and the versions. For the torch backend the directory holds the checkpoint's files as hard links
+(no 17 GB copy) and the build ends with a smoke run: one prefill whose logits must be finite.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, trtckpt
-from workflow.engines import attention, gemv, load_engine, write_engine_json
+from workflow.engines import attention, blocks, gemv, load_engine, timing_cache, write_engine_json
 from workflow.engines.options import ENGINE_FORMAT, EngineOptions
 from workflow.errors import InputError, run_main
 from workflow.versions import versions
@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> None:
             for name in (trtckpt.CONFIG, trtckpt.WEIGHTS):
                 artifacts.link_or_copy(args.ckpt / name, tmp / name)
         write_engine_json(tmp, meta)
-        engine = load_engine(tmp)
+        cache = options.timing_cache if options.backend == "torch" and options.gemv and options.on_cuda else ""
+        key = timing_cache.device_key(torch.device(options.device)) if cache else ""
+        known = timing_cache.read(cache, key) if cache else None
+        engine = load_engine(tmp, known=known)
         prompt = torch.tensor([[[spec.sosp_token_id, 512]] * 4])
         text, audio = engine.prefill(prompt)
         if not (torch.isfinite(text).all() and torch.isfinite(audio).all()):
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         tuned = engine.tuning_json()
         if tuned:  # tuned on this GPU now: later loads reuse it
             write_engine_json(tmp, meta | {"tuning": tuned})
+        if cache:
+            chosen = blocks.read_tuning(tuned.get("gemv", {}))
+            timing_cache.write(cache, key, chosen)
+            print(f"the GEMV's blocks: {sum(u in known for u in chosen)} of {len(chosen)} from the timing cache {cache}")
     print(f"built {options.backend}/{options.precision} engine in {args.out}")
 
 

@@ -54,15 +54,18 @@ def check_built_from(engine_dir: str | Path, ckpt_dir: str | Path) -> dict:
     return meta
 
 
-def load_engine(engine_dir: str | Path, device: str | None = None, max_batch: int | None = None) -> Engine:
-    """Open a built engine with its backend (device and batch limit may be overridden)."""
+def load_engine(
+    engine_dir: str | Path, device: str | None = None, max_batch: int | None = None, known: dict | None = None
+) -> Engine:
+    """Open a built engine with its backend (device and batch limit may be overridden). known: the torch backend's
+    GEMV blocks from build's timing cache, for an engine not yet tuned (the other backend has none)."""
     meta = read_engine_json(engine_dir)
     asked = {k: v for k, v in (("device", device), ("max_batch", max_batch)) if v}
     options = EngineOptions.from_dict(meta["options"].to_dict() | asked, Path(engine_dir) / ENGINE_JSON)
     if options.backend == "torch":
         from workflow.engines.torch_engine import load
 
-        return load(engine_dir, meta, options)
+        return load(engine_dir, meta, options, known)
     from workflow.engines.trtllm_engine import load
 
     return load(engine_dir, meta, options)

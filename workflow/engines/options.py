@@ -18,7 +18,7 @@ BACKENDS = ("torch", "trtllm")
 PRECISIONS = ("bf16", "fp8")
 DTYPES = ("float32", "bfloat16")
 ENGINE_FORMAT = 2  # engine.json's layout: options (backend and precision among them) and tuning
-TORCH_ONLY = ("compile", "gemv", "decode_attention", "fp8_fast_accum", "defer_text_fill")
+TORCH_ONLY = ("compile", "gemv", "decode_attention", "fp8_fast_accum", "defer_text_fill", "timing_cache")
 CUDA_KERNELS = ("gemv", "decode_attention")  # our Triton kernels: the torch backend on cuda
 KINDS = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false")}  # by annotation
 
@@ -39,6 +39,7 @@ class EngineOptions:
     decode_attention: bool = False  # decode's q/k norm, rope, cache write and attention in one Triton kernel
     fp8_fast_accum: bool = False  # FP8 GEMMs accumulate without cuBLASLt's periodic fp32 promotion
     defer_text_fill: bool = False  # audio mode: no text branch; it catches up on every owed position when text is next needed
+    timing_cache: str = ""  # build: a JSON file of the GEMV's tuned blocks by GPU, read and added to ("": tune every block)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -68,8 +68,10 @@ class TorchEngine(Engine, nn.Module):
         tensors: dict[str, torch.Tensor],
         options: EngineOptions,
         tuning: dict[blocks.Use, blocks.Tuned] | None = None,
+        known: dict[blocks.Use, blocks.Tuned] | None = None,
     ):
-        """tuning: the GEMV's blocks from engine.json; None with `gemv` on CUDA: tuned here (build)."""
+        """tuning: the GEMV's blocks from engine.json; None with `gemv` on CUDA: tuned here (build), but for those
+        `known` has (build's timing cache, `engine.timing_cache`)."""
         nn.Module.__init__(self)
         self.spec, self.options = spec, options
         self.device = torch.device(options.device)
@@ -105,7 +107,7 @@ class TorchEngine(Engine, nn.Module):
         if options.gemv and self.device.type == "cuda":
             uses = self.gemv_uses()
             if not self.tuning:  # first load (build): choose each use's block on this GPU
-                self.tuning = tune([(lin.weight, fuse) for lin, fuse in uses])
+                self.tuning = tune([(lin.weight, fuse) for lin, fuse in uses], known=known)
             for lin, fuse in uses:
                 lin.blocks = blocks.blocks_for(self.tuning, lin.weight, fuse)
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=dev).float() / spec.head_dim)
@@ -331,8 +333,8 @@ def kv_bucket(length: int, max_seq_len: int) -> int:
     return min(max_seq_len, -(-length // KV_BUCKET) * KV_BUCKET)
 
 
-def load(engine_dir: str | Path, meta: dict, options: EngineOptions) -> TorchEngine:
+def load(engine_dir: str | Path, meta: dict, options: EngineOptions, known: dict | None = None) -> TorchEngine:
     """Open an engine directory written by build (its checkpoint files are hard links), with
-    the tuning build stored."""
+    the tuning build stored (none yet: tuned now, but for the blocks `known` has)."""
     _, spec, tensors = trtckpt.load_checkpoint(engine_dir, device="cuda" if options.on_cuda else "cpu")
-    return TorchEngine(spec, tensors, options, blocks.read_tuning(meta.get("tuning", {}).get("gemv", {})))
+    return TorchEngine(spec, tensors, options, blocks.read_tuning(meta.get("tuning", {}).get("gemv", {})), known)

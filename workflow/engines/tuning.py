@@ -17,19 +17,26 @@ from workflow.engines.gemv import launch, triton
 L2_FLUSH = 256 << 20  # tuning cycles through this many bytes of weight copies: no L2 hits
 
 
-def tune(uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, reps: int = 20) -> dict[Use, Tuned]:
+def tune(
+    uses: list[tuple[torch.Tensor, Fuse]], rows: tuple[int, ...] = ROWS, reps: int = 20, known: dict[Use, Tuned] | None = None
+) -> dict[Use, Tuned]:
     """Time every candidate block for each (weight, fuse) use at each row count of x, on the
     weight's device, and keep the fastest (a block this GPU cannot launch is passed over). Like a
     TensorRT tactic choice: run once at build on the target GPU; the engine stores the result in
-    engine.json and hands each call its block. Minutes at the full shape: a progress bar shows them."""
+    engine.json and hands each call its block. Minutes at the full shape: a progress bar shows them.
+    known: blocks chosen before on this kind of GPU (timing_cache.py), taken as they are, not timed."""
+    known = known or {}
     unique = list({Use.of(w, fuse): (w, fuse) for w, fuse in uses}.values())
-    total = sum(len(candidates(w.shape[1], w.element_size(), fuse, m)) for w, fuse in unique for m in rows)
-    found: dict[Use, Tuned] = {}
-    with tqdm(total=total, desc="tuning the decode GEMV", unit="block") as bar:
-        for w, fuse in unique:
+    found = {u: known[u] for w, fuse in unique for m in rows if (u := Use.of(w, fuse, m)) in known}
+    todo = [(w, fuse) for w, fuse in unique if any(Use.of(w, fuse, m) not in found for m in rows)]
+    left = [(w, f, m) for w, f in todo for m in rows if Use.of(w, f, m) not in found]
+    total = sum(len(candidates(w.shape[1], w.element_size(), f, m)) for w, f, m in left)
+    with tqdm(total=total, desc="tuning the decode GEMV", unit="block", disable=not todo) as bar:
+        for w, fuse in todo:
             copies = l2_copies(w)
             for m in rows:
-                found[Use.of(w, fuse, m)] = tune_use(w, fuse, m, copies, reps, bar.update)
+                if Use.of(w, fuse, m) not in found:
+                    found[Use.of(w, fuse, m)] = tune_use(w, fuse, m, copies, reps, bar.update)
             del copies
     return found
 
