@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A run of record on a two-GPU machine (the device tool's nvidia-h100-x2 or nvidia-h200-x2): bf16 on GPU 0
 # and FP8 on GPU 1 side by side, each with half the cores (gpu_pipeline.sh, MOSSBUILD_GPU), in four calls
-# of under 10 minutes, run from the repository root with .whl carried:
+# of under 10 minutes, run from the repository root with .whl carried (and results/gemv-timing.json, the GEMV's
+# timing cache, where an earlier session's archive brought it back: builds on that kind of GPU then skip the tuning):
 #
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 1   # download, convert
 #   MOSSBUILD_COMMIT=<sha> bash benchmarks/gpu_pair.sh 2   # bf16 build, verify | FP8 calibrate
