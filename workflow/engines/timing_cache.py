@@ -33,7 +33,7 @@ def device_key(device: torch.device) -> str:
 
 
 def _read(path: Path) -> dict:
-    """The file's contents ({} where it does not exist yet), or an InputError naming it."""
+    """The file's contents (an empty cache where there is no file yet), or an InputError naming it."""
     if not path.exists():
         return {"format": FORMAT, "devices": {}}
     try:
