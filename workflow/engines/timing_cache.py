@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from workflow import artifacts
 from workflow.engines import blocks, gemv
 from workflow.engines.blocks import Tuned, Use
 from workflow.errors import InputError
@@ -55,12 +55,8 @@ def read(path: str | Path, key: str) -> dict[Use, Tuned]:
 
 
 def write(path: str | Path, key: str, tuning: dict[Use, Tuned]) -> None:
-    """Add these blocks under the device key (the file's other entries kept), written to a temporary file beside it,
-    then renamed: a build killed part-way leaves the old file whole."""
-    path = Path(path)
-    data = _read(path)
+    """Add these blocks under the device key (the file's other entries kept), written whole or not at all
+    (`artifacts.write_json`: a build killed part-way leaves the old file)."""
+    data = _read(Path(path))
     data["devices"][key] = data["devices"].get(key, {}) | blocks.tuning_json(tuning)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+    artifacts.write_json(path, data)
