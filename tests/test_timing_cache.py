@@ -77,3 +77,16 @@ def test_a_build_without_the_gemv_on_cuda_neither_reads_nor_writes_the_cache(tin
     build.main(["--ckpt", str(tiny_ckpt), "--out", str(tmp_path / "engine"), "--options-json", options])
     assert json.loads((tmp_path / "engine" / "engine.json").read_text())["options"]["timing_cache"] == str(cache)
     assert cache.read_text() == "{not json"
+
+
+def test_engine_json_records_the_versions_a_tuned_block_depends_on(tiny_engine_dir):
+    """engine.json names what computed the engine, Triton (our kernels' compiler) among them where it is installed."""
+    import importlib.util
+
+    found = json.loads((tiny_engine_dir / "engine.json").read_text())["versions"]
+    assert found["torch"] == torch.__version__ and {"python", "transformers"} <= set(found)
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        assert found["triton"] == triton.__version__
+    assert found.get("cuda") == torch.version.cuda
