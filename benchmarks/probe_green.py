@@ -76,11 +76,13 @@ def arm(name: str, configs: list[str]) -> None:
                 calls = lanes.warm(2, p["chunk_tokens"], 40)
         else:
             calls = lanes.warm(2, p["chunk_tokens"], 40)
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         print(f"{name}: ok, {calls} batches warmed in {time.perf_counter() - t0:.0f} s", flush=True)
     except Exception as e:
-        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
-        ours = [f for f, t in zip(frames, traceback.extract_tb(e.__traceback__), strict=True) if "/workflow/" in t.filename]
+        tb = traceback.extract_tb(e.__traceback__)
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in tb]
+        ours = [f for f, t in zip(frames, tb, strict=True) if "/workflow/" in t.filename]
         print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
         print(f"{name}: through {' > '.join(ours)} | last {' > '.join(frames[-4:])}", flush=True)
 

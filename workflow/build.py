@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from workflow import artifacts, trtckpt
-from workflow.engines import attention, blocks, gemv, load_engine, timing_cache, write_engine_json
+from workflow.engines import attention, gemv, load_engine, timing_cache, write_engine_json
 from workflow.engines.options import ENGINE_FORMAT, EngineOptions
 from workflow.errors import InputError, run_main
 from workflow.versions import versions
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         tuned = engine.tuning_json()
         if tuned:  # tuned on this GPU now: later loads reuse it
             write_engine_json(tmp, meta | {"tuning": tuned})
-        if cache:
-            chosen = blocks.read_tuning(tuned.get("gemv", {}))
+        if cache:  # the torch engine's blocks, as tuned or taken from the cache
+            chosen = engine.tuning
             timing_cache.write(cache, key, chosen)
             print(f"the GEMV's blocks: {sum(u in known for u in chosen)} of {len(chosen)} from the timing cache {cache}")
     print(f"built {options.backend}/{options.precision} engine in {args.out}")
